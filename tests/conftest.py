@@ -1,0 +1,55 @@
+"""Shared test set-up: Triton's interpreter without a GPU, offline Hugging Face, seeds, one model per session."""
+import os
+import random
+
+# Must happen before anything defines a @triton.jit function (see COURSE.md, "Triton on a CPU").
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct loaded once per test process (fp32, CPU)."""
+    import minillm
+
+    return minillm.load_model()
+
+
+@pytest.fixture(scope="session")
+def model(smollm):
+    return smollm[0]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm):
+    return smollm[1]
+
+
+@pytest.fixture(scope="session")
+def hf_oracle():
+    """transformers' own GGUF loading of the same file, fp32: the independent reference for logits."""
+    from transformers import AutoModelForCausalLM
+
+    import minillm
+
+    path = minillm.default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

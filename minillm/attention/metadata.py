@@ -1,0 +1,58 @@
+"""What one forward pass over a flat, varlen batch needs to know to attend through a paged KV cache.
+
+Tokens of all requests are concatenated (``[num_tokens]``). Request ``i`` owns query rows
+``query_start_loc[i] : query_start_loc[i+1]`` and attends to ``seq_lens[i]`` tokens of history (its cached context
+plus these new tokens), found through row ``i`` of ``block_table``. Its causal offset is
+``context_len = seq_len - query_len``: query ``j`` of the chunk sits at absolute position ``context_len + j``.
+
+Paged KV layout (one pair per layer): ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size,
+num_kv_heads, head_dim]``; token ``t`` of a request lives in block ``block_table[i, t // block_size]`` at offset
+``t % block_size``, i.e. at slot ``block_id * block_size + offset``. ``slot_mapping[k]`` is the slot where the new
+token ``k`` of this batch is written (``-1``: padding, skipped).
+
+vLLM counterpart: ``vllm/v1/attention/backends/`` (``CommonAttentionMetadata``, ``FlashAttentionMetadata``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs for a varlen batch over a paged KV cache.
+
+    Attributes:
+        query_start_loc: ``[num_reqs + 1]`` int32, cumulative query lengths starting at 0.
+        seq_lens: ``[num_reqs]`` int32, tokens of history each request attends to (context + this chunk).
+        block_table: ``[num_reqs, max_num_blocks_per_req]`` int32, block ids of each request (unused: 0).
+        slot_mapping: ``[num_tokens]`` int64, cache slot of each new token (``-1``: skip).
+        max_query_len: largest ``query_start_loc[i+1] - query_start_loc[i]``.
+        max_seq_len: largest ``seq_lens[i]``.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        """``[num_reqs]``: tokens each request contributes this step."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def context_lens(self) -> torch.Tensor:
+        """``[num_reqs]``: tokens already cached before this step (the causal offset)."""
+        return self.seq_lens - self.query_lens

@@ -1,0 +1,117 @@
+"""A request's state inside the engine: its tokens, how many of them have K/V computed, and its status.
+
+The one number that drives scheduling is :attr:`Request.num_computed_tokens`: every step the scheduler gives a
+request ``num_tokens - num_computed_tokens`` more tokens (or fewer, if the budget is short). There is no separate
+"prefill phase" or "decode phase"; a decode is simply a request that is one token behind.
+
+vLLM counterpart: ``vllm/v1/request.py`` (``Request``, ``RequestStatus``).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is. Every status after ``PREEMPTED`` is a finished one."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = enum.auto()  # the client went away or abort_request() was called
+    FINISHED_IGNORED = enum.auto()  # refused (e.g. the prompt can never fit)
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> str | None:
+        """The OpenAI ``finish_reason`` of a finished status: ``"stop"``, ``"length"`` or ``"abort"``."""
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Request:
+    """One generation request as the scheduler sees it.
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: the prompt, at least one token.
+        sampling_params: a :class:`~minillm.sampling_params.SamplingParams` (``max_tokens``, stop conditions, ...);
+            duck-typed so chapters before the sampler can pass any object with ``max_tokens``.
+        eos_token_id: the tokenizer's end-of-sequence id, or ``None``.
+        arrival_time: seconds (default: now); breaks ties in priority order.
+        priority: lower runs first under the ``"priority"`` policy.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any = None,
+                 eos_token_id: int | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        # Prefix caching: hashes of this request's full blocks, filled in by the KV cache manager.
+        self.block_hashes: list[Any] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs (read-only view by convention; use :meth:`append_output_token_ids`)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return getattr(self.sampling_params, "max_tokens", None)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def __lt__(self, other: "Request") -> bool:
+        """Priority order: lower ``priority`` first, then earlier arrival, then id (a total order for heaps)."""
+        return (self.priority, self.arrival_time, self.request_id) < (other.priority, other.arrival_time,
+                                                                       other.request_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -25,7 +25,7 @@ lab: setup
 
 test: setup
 	$(PY) -m pytest -n 2 --dist loadgroup tests notebooks solutions \
-		--nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300
+		--nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300
 
 exercises: setup
 	$(PY) -m minillm.exercises build

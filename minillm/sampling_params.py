@@ -1,0 +1,185 @@
+"""How one request wants its tokens chosen and when it wants to stop.
+
+The names and the meaning of every field follow vLLM's ``SamplingParams`` (``vllm/sampling_params.py``), so code
+written against minillm reads the same against vLLM. Every value is checked when the object is built: a bad value
+raises a :class:`ValueError` that names the field, the value and what is allowed.
+
+vLLM counterpart: ``vllm/sampling_params.py`` (``SamplingParams``, ``SamplingType``).
+"""
+from __future__ import annotations
+
+import enum
+import numbers
+from dataclasses import dataclass, field
+
+# Below this temperature a request is sampled greedily (vLLM uses the same threshold, ``_SAMPLING_EPS``).
+SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    """How a request's token is drawn: argmax, random from the global generator, or random from its own seed."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(x: object) -> bool:
+    # bool is an int subclass; `max_tokens=True` is a bug, not 1.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping parameters (vLLM names and defaults).
+
+    Args:
+        temperature: divides the logits; ``0`` means greedy (argmax). Must be ``>= 0``.
+        top_k: keep only the ``k`` most likely tokens; ``0`` or ``-1`` means all (stored as ``0``).
+        top_p: keep the smallest set of most likely tokens whose probability sums to at least ``top_p``; in
+            ``(0, 1]``, ``1`` means all.
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely token's; in ``[0, 1]``.
+        seed: a per-request random seed; the same seed gives the same tokens whatever else is in the batch.
+        max_tokens: the most tokens to generate (``>= 1``), or ``None`` for "until the context is full" (the
+            OpenAI helper fills in ``max_model_len - prompt_len``).
+        min_tokens: EOS and ``stop_token_ids`` are ignored until this many tokens are generated; ``<= max_tokens``.
+        stop: strings that end the generation when they appear in the detokenized output; the output is cut
+            just before the stop string (unless ``include_stop_str_in_output``).
+        stop_token_ids: token ids that end the generation (the token is kept in the output).
+        ignore_eos: keep generating after the EOS token.
+        logprobs: how many top log-probabilities to return per token besides the sampled one, or ``None``.
+        presence_penalty: subtracted once from the logit of every token already generated; in ``[-2, 2]``.
+        frequency_penalty: subtracted from a token's logit once per time it was generated; in ``[-2, 2]``.
+        repetition_penalty: logits of tokens seen in the prompt or output are divided by it (if positive) or
+            multiplied by it (if negative); ``> 0``, ``1`` means off.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    # Filled from `stop`/`stop_token_ids` in __post_init__; not an argument.
+    all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    # ---------------------------------------------------------------- normalisation
+    def _normalize(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if _is_int(self.top_k) and self.top_k == -1:
+            self.top_k = 0  # vLLM accepts -1 as the old spelling of "no top-k"
+
+    # ---------------------------------------------------------------- validation
+    def _verify(self) -> None:
+        def num(name: str) -> float:
+            v = getattr(self, name)
+            if not _is_number(v):
+                raise ValueError(f"{name} must be a number, got {v!r} ({type(v).__name__})")
+            if v != v:  # NaN compares unequal to itself
+                raise ValueError(f"{name} must not be NaN")
+            return float(v)
+
+        def integer(name: str, allow_none: bool = False) -> int | None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return None
+            if not _is_int(v):
+                allowed = "an integer or None" if allow_none else "an integer"
+                raise ValueError(f"{name} must be {allowed}, got {v!r} ({type(v).__name__})")
+            return v
+
+        t = num("temperature")
+        if t < 0 or t == float("inf"):
+            raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {self.temperature}")
+        k = integer("top_k")
+        if k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
+        p = num("top_p")
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        mp = num("min_p")
+        if not 0.0 <= mp <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        integer("seed", allow_none=True)
+        mt = integer("max_tokens", allow_none=True)
+        if mt is not None and mt < 1:
+            raise ValueError(f"max_tokens must be at least 1 (or None), got {self.max_tokens}")
+        mn = integer("min_tokens")
+        if mn < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if mt is not None and mn > mt:
+            raise ValueError(f"min_tokens must be <= max_tokens, got min_tokens={mn} > max_tokens={mt}")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must be a string or a list of strings, got an element {s!r}")
+            if s == "":
+                raise ValueError("stop cannot contain an empty string (it would match immediately)")
+        for tid in self.stop_token_ids:
+            if not _is_int(tid) or tid < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got an element {tid!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        lp = integer("logprobs", allow_none=True)
+        if lp is not None and lp < 0:
+            raise ValueError(f"logprobs must be >= 0 (or None), got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = num(name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        rp = num("repetition_penalty")
+        if not 0.0 < rp < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 and finite (1 means off), got {self.repetition_penalty}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def sampling_type(self) -> SamplingType:
+        """``GREEDY`` when the temperature is (nearly) 0; ``RANDOM_SEED`` when a seed is given; else ``RANDOM``."""
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @classmethod
+    def greedy(cls, **kwargs) -> "SamplingParams":
+        """Shorthand for ``SamplingParams(temperature=0, ...)``."""
+        return cls(temperature=0.0, **kwargs)
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A validated copy with some fields changed."""
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "all_stop_token_ids"}
+        fields.update(changes)
+        return SamplingParams(**{k: (list(v) if isinstance(v, list) else v) for k, v in fields.items()})
+

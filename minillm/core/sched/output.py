@@ -1,0 +1,132 @@
+"""What one scheduling step hands to the model runner, and what the runner hands back.
+
+The scheduler sends only what the runner cannot know: a request seen for the first time travels whole
+(:class:`NewRequestData`); a request the runner already holds travels as a diff (:class:`CachedRequestData`: its new
+blocks and where its context starts). The runner keeps the token ids it sampled itself, so a decode costs the
+scheduler one integer per request.
+
+vLLM counterparts: ``vllm/v1/core/sched/output.py`` (``SchedulerOutput``, ``NewRequestData``,
+``CachedRequestData``) and ``vllm/v1/outputs.py`` (``ModelRunnerOutput``); vLLM also carries speculative tokens,
+encoder inputs, LoRA, structured-output and KV-connector fields, left out here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minillm.request import Request
+
+
+@dataclass
+class NewRequestData:
+    """A request scheduled for the first time.
+
+    Attributes:
+        req_id: the request id.
+        prompt_token_ids: the whole prompt.
+        sampling_params: how to sample its tokens.
+        block_ids: every KV block the request holds, in order (prefix-cache hits first).
+        num_computed_tokens: tokens whose K/V are already in those blocks (a prefix-cache hit; 0 without one). This
+            step's tokens start at this position.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int]) -> "NewRequestData":
+        return cls(request.request_id, list(request.prompt_token_ids), request.sampling_params, list(block_ids),
+                   request.num_computed_tokens)
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner has seen before: still running ones, and resumed ones (re-admitted after preemption).
+
+    Parallel lists, one entry per request, in scheduling order.
+
+    Attributes:
+        req_ids: the request ids.
+        resumed_req_ids: the ids among ``req_ids`` that were preempted and come back: the runner dropped them,
+            so ``new_block_ids`` is their *whole* block list and ``all_token_ids`` their tokens (prompt + outputs so
+            far, all to be recomputed). For the others ``new_block_ids`` is appended to the blocks they hold.
+        new_block_ids: blocks to append (running) or the full block list (resumed); empty when none were needed.
+        num_computed_tokens: each request's context length before this step (where its new tokens start).
+        num_output_tokens: output tokens each request has so far.
+        all_token_ids: token ids of the requests not scheduled in the previous step (resumed ones included).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: which requests run, how many tokens each.
+
+    Attributes:
+        scheduled_new_reqs: requests scheduled for the first time (admitted from the waiting queue this step).
+        scheduled_cached_reqs: running requests scheduled again, then resumed ones (admitted this step after a
+            preemption).
+        num_scheduled_tokens: request id -> tokens it computes this step (a prefill chunk or 1 for a decode).
+        total_num_scheduled_tokens: ``sum(num_scheduled_tokens.values())``, never above
+            ``max_num_batched_tokens``. It counts the requests admitted from the waiting queue in this very step:
+            they run in this step too.
+        preempted_req_ids: requests preempted (by recompute) in this step; the runner drops their state.
+        finished_req_ids: requests that finished since the previous step; the runner drops their state.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @classmethod
+    def make_empty(cls) -> "SchedulerOutput":
+        return cls([], CachedRequestData(), {}, 0)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns after running one :class:`SchedulerOutput`.
+
+    Attributes:
+        req_ids: the scheduled request ids, in the runner's row order.
+        req_id_to_index: request id -> row.
+        sampled_token_ids: per row, the tokens sampled for that request (one without speculative decoding). A
+            request still mid-prefill gets a row too, but its token is meaningless and the scheduler drops it.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request: its new tokens and, if it finished, why.
+
+    vLLM counterpart: ``vllm/v1/engine/__init__.py`` (``EngineCoreOutput``).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,209 @@
+"""The pieces a paged KV cache is made of: a block, the queue of free blocks, and the hash that names a full block.
+
+A *block* holds the K/V of ``block_size`` consecutive tokens of one sequence (in every layer). The engine never
+moves K/V between blocks; it only hands block ids out and takes them back. Three facts per block are enough:
+
+- ``ref_cnt``: how many running requests use it. A block shared through prefix caching has ``ref_cnt > 1``.
+- ``block_hash``: set once the block is full *and* registered in the prefix cache; it names the block's content.
+- its place in the :class:`FreeKVCacheBlockQueue` when ``ref_cnt == 0``. A free block may still hold a cached
+  prefix: it stays findable by hash until it is popped for reuse (that is the eviction).
+
+Block hashes chain: ``hash(block i) = H(hash(block i-1), token ids of block i, extra keys)``, so equal hashes mean
+equal *prefixes*, not only equal blocks. Only full blocks are hashed.
+
+vLLM counterpart: ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``, ``FreeKVCacheBlockQueue``,
+``hash_block_tokens``, ``PrefixCacheStats`` lives in ``vllm/v1/metrics/stats.py``).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: A block's hash: 32 bytes of SHA-256. Bytes (not Python's ``hash``) so it is the same in every process and run.
+BlockHash = bytes
+
+#: The parent hash of a request's first block (a fixed seed, so hashes are reproducible).
+NONE_HASH: BlockHash = hashlib.sha256(b"minillm prefix cache root").digest()
+
+
+def hash_block_tokens(parent_block_hash: BlockHash | None, block_token_ids: Sequence[int],
+                      extra_keys: tuple[Any, ...] | None = None) -> BlockHash:
+    """Hash of one full block, chained on its parent's hash.
+
+    Args:
+        parent_block_hash: hash of the previous block of the same sequence; ``None`` for the first block.
+        block_token_ids: the ``block_size`` token ids stored in this block.
+        extra_keys: anything else that changes the K/V of these tokens (a LoRA id, a cache salt, ...); ``None``
+            for plain text.
+
+    Returns:
+        32 bytes. Two blocks get the same hash iff their whole prefixes (all earlier tokens), their tokens and their
+        extra keys are equal (up to SHA-256 collisions).
+    """
+    h = hashlib.sha256()
+    h.update(NONE_HASH if parent_block_hash is None else parent_block_hash)
+    # Fixed-width encoding of the token ids: no separator ambiguity between [1, 23] and [12, 3].
+    h.update(struct.pack(f"<{len(block_token_ids)}q", *block_token_ids))
+    if extra_keys:
+        h.update(repr(tuple(extra_keys)).encode())
+    return h.digest()
+
+
+def hash_request_tokens(token_ids: Sequence[int], block_size: int, extra_keys: tuple[Any, ...] | None = None,
+                        parent_block_hash: BlockHash | None = None) -> list[BlockHash]:
+    """Hashes of every *full* block of ``token_ids`` (a trailing partial block gets none).
+
+    ``extra_keys`` apply to the first block only (as a per-request cache salt does), which through the chain
+    changes every later hash too.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    hashes: list[BlockHash] = []
+    parent = parent_block_hash
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
+                                   extra_keys if i == 0 and parent_block_hash is None else None)
+        hashes.append(parent)
+    return hashes
+
+
+class KVCacheBlock:
+    """Book-keeping for one physical block of the paged KV cache (the K/V tensors themselves live elsewhere).
+
+    Attributes:
+        block_id: index into the first dimension of every layer's ``[num_blocks, block_size, num_kv_heads,
+            head_dim]`` key and value cache.
+        ref_cnt: number of requests holding the block.
+        block_hash: the hash it is cached under, or ``None``.
+        is_null: the null block (id 0) stands for "no block"; it is never handed out.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self._block_hash: BlockHash | None = None
+        # Links of the free queue; both None while the block is not in it.
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+        self.is_null = False
+
+    def incr_ref(self) -> None:
+        self.ref_cnt += 1
+
+    def decr_ref(self) -> None:
+        if self.ref_cnt <= 0:
+            raise ValueError(f"block {self.block_id}: ref_cnt is already {self.ref_cnt}; freed twice?")
+        self.ref_cnt -= 1
+
+    @property
+    def block_hash(self) -> BlockHash | None:
+        return self._block_hash
+
+    @block_hash.setter
+    def block_hash(self, block_hash: BlockHash) -> None:
+        if self._block_hash is not None:
+            raise ValueError(f"block {self.block_id} already has a hash; reset it before caching it again")
+        self._block_hash = block_hash
+
+    def reset_hash(self) -> None:
+        """Forget the hash (called when a cached block is evicted for reuse)."""
+        self._block_hash = None
+
+    def __repr__(self) -> str:
+        h = self._block_hash.hex()[:8] if self._block_hash is not None else None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+
+
+class FreeKVCacheBlockQueue:
+    """The free blocks, as a doubly linked list threaded through the blocks themselves.
+
+    Order is eviction order: the front is popped first. Freed blocks are appended at the back, so the front holds
+    the blocks freed longest ago (least recently used), and cached content there is the first to be overwritten.
+    A Python ``deque`` would not do: a prefix-cache hit must take a free block out of the *middle* of the queue,
+    which a linked list does in O(1) given the block.
+
+    Two sentinel blocks (``id -1``) at the ends remove every "is this the first/last node" branch.
+    """
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self.fake_free_list_head = KVCacheBlock(block_id=-1)
+        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
+        prev = self.fake_free_list_head
+        for block in blocks:
+            prev.next_free_block, block.prev_free_block = block, prev
+            prev = block
+        prev.next_free_block, self.fake_free_list_tail.prev_free_block = self.fake_free_list_tail, prev
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the front (least recently freed) block."""
+        first = self.fake_free_list_head.next_free_block
+        if first is self.fake_free_list_tail or first is None:
+            raise ValueError("no free blocks left")
+        self.remove(first)
+        return first
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Remove and return the ``n`` front blocks, front first."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, only {self.num_free_blocks} are free")
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink ``block`` from wherever it is in the queue, in O(1)."""
+        if block.prev_free_block is None or block.next_free_block is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        block.prev_free_block.next_free_block = block.next_free_block
+        block.next_free_block.prev_free_block = block.prev_free_block
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the back (it will be evicted last)."""
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        last = self.fake_free_list_tail.prev_free_block
+        assert last is not None
+        last.next_free_block, block.prev_free_block = block, last
+        block.next_free_block, self.fake_free_list_tail.prev_free_block = self.fake_free_list_tail, block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            self.append(block)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Every free block, front (next to be reused) to back."""
+        out = []
+        cur = self.fake_free_list_head.next_free_block
+        while cur is not None and cur is not self.fake_free_list_tail:
+            out.append(cur)
+            cur = cur.next_free_block
+        return out
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache hit counters since the last reset.
+
+    Attributes:
+        requests: how many lookups (:meth:`KVCacheManager.get_computed_blocks` calls).
+        queries: tokens looked up (the requests' lengths).
+        hits: tokens found in the cache (whose prefill is skipped).
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def reset(self) -> None:
+        self.requests = self.queries = self.hits = 0

@@ -1,0 +1,1 @@
+"""Batched logits transformations used by the sampler, one job per module."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: cheap draft tokens, verified by the target model in one step."""

@@ -104,7 +104,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
             weight = unpermute_qk(weight, config.num_attention_heads)
         elif tensor.name.endswith("attn_k.weight"):
             weight = unpermute_qk(weight, config.num_key_value_heads)
-        state[_hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+        state[_hf_name(tensor.name)] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C", copy=True))
     model.to_empty(device=device)
     _load_state(model, state, dtype)
     return model.eval()

@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 
 setup: $(STAMP)
 
+# LAB_ARGS passes extra options, e.g. make lab LAB_ARGS="--no-browser --port=8899"
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
 
 test: setup
 	$(PY) -m pytest -n 2 --dist loadgroup tests notebooks solutions \

@@ -63,3 +63,105 @@ def test_bad_calls():
         check_stop(req([]), 100)
     with pytest.raises(ValueError, match="max_model_len"):
         check_stop(req([1]), 0)
+
+
+# ---------------------------------------------------------------- stop strings on the detokenized text
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from minillm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings  # noqa: E402
+
+
+class PieceTokenizer:
+    """A toy tokenizer whose tokens are fixed strings, so stop strings can be placed across token borders."""
+
+    def __init__(self, pieces):
+        self.pieces = list(pieces)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids if not (skip_special_tokens and self.pieces[i] == "<eos>"))
+
+
+PIECES = ["Hel", "lo", " wor", "ld", "\n", "\nQ", "uestion", ":", " ok", "<eos>", "##", "#", "a"]
+
+
+def run(token_ids, **params):
+    det = IncrementalDetokenizer(PieceTokenizer(PIECES), SamplingParams(**params))
+    for i, t in enumerate(token_ids):
+        reason = det.update([t])
+        if reason is not None:
+            return det.output_text, reason, i
+    return det.output_text, None, None
+
+
+def test_stop_string_spanning_tokens_is_trimmed():
+    # "\n\nQuestion:" is spread over the tokens "\n", "\nQ", "uestion", ":".
+    text, reason, step = run([0, 1, 4, 5, 6, 7, 8], stop=["\n\nQuestion:"])
+    assert (text, reason, step) == ("Hello", "\n\nQuestion:", 5)
+    text, reason, _ = run([0, 1, 4, 5, 6, 7, 8], stop=["\n\nQuestion:"], include_stop_str_in_output=True)
+    assert text == "Hello\n\nQuestion:"
+    # A stop string in the middle of one token: the rest of the token is cut too.
+    text, reason, step = run([0, 1, 2, 3], stop=["o w"])
+    assert (text, reason, step) == ("Hell", "o w", 2)
+    # The earliest match wins when two stop strings end in the same step.
+    text, reason, _ = run([0, 1, 2, 3], stop=["world", "lo wor"])
+    assert (text, reason) == ("Hel", "lo wor")
+    assert run([0, 1], stop=["xyz"]) == ("Hello", None, None)
+
+
+def test_stop_terminated_token_left_out_of_text():
+    det = IncrementalDetokenizer(PieceTokenizer(PIECES), SamplingParams(stop_token_ids=[12]))
+    det.update([0, 1])
+    det.update([12], stop_terminated=True)  # check_stop finished on stop id 12 ("a"): its text is not shown
+    assert det.output_text == "Hello"
+    det = IncrementalDetokenizer(PieceTokenizer(PIECES), SamplingParams(stop=["zz"]))
+    det.update([0, 9])  # EOS is a special token: skipped when decoding
+    assert det.output_text == "Hel"
+
+
+def test_no_more_tokens_after_stop_string():
+    det = IncrementalDetokenizer(PieceTokenizer(PIECES), SamplingParams(stop=["lo"]))
+    assert det.update([0, 1]) == "lo" and det.output_text == "Hel" and det.stop_reason == "lo"
+    with pytest.raises(ValueError, match="already stopped"):
+        det.update([2])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, len(PIECES) - 1), min_size=1, max_size=12),
+       st.lists(st.sampled_from(["#", "##", "###", "lo w", "\n\n", "ld\n", "a#a", "Q"]), min_size=1, max_size=3))
+def test_incremental_equals_search_on_the_whole_text(ids, stop):
+    """Checking a few new characters per step finds the same first stop as searching the final text."""
+    text, reason, _ = run(ids, stop=stop)
+    full = PieceTokenizer(PIECES).decode(ids)
+    firsts = [(full.find(s) + len(s), full.find(s), i, s) for i, s in enumerate(stop) if s in full]
+    if not firsts:
+        assert reason is None and text == full
+        return
+    # The stop is found on the step where the first stop string to *end* appears; among those, earliest start.
+    end = min(f[0] for f in firsts)
+    # Which ids produce text of length >= end first: that step's check sees every string ending by then.
+    prefix_len = next(k for k in range(1, len(ids) + 1) if len(PieceTokenizer(PIECES).decode(ids[:k])) >= end)
+    seen = PieceTokenizer(PIECES).decode(ids[:prefix_len])
+    cands = [(seen.find(s), i, s) for i, s in enumerate(stop) if s in seen]
+    start, _, s = min(cands)
+    assert reason == s and text == seen[:start]
+
+
+def test_check_stop_strings_direct():
+    assert check_stop_strings("abcXYZ", 3, ["XYZ"], False) == ("XYZ", 3)
+    assert check_stop_strings("abcXYZ", 3, ["XYZ"], True) == ("XYZ", 6)
+    assert check_stop_strings("abcXYZ", 1, ["cX"], False) is None  # ended before the new characters: seen before
+    assert check_stop_strings("abcXYZ", 2, ["XY"], False) == ("XY", 3)
+    with pytest.raises(ValueError, match="new_char_count"):
+        check_stop_strings("ab", 3, ["a"], False)
+
+
+@pytest.mark.slow
+def test_stop_string_with_the_real_tokenizer(tokenizer):
+    """With SmolLM2's tokenizer: "\\n\\nQuestion" is several tokens; the text stops right before it."""
+    text = "The answer is: Paris.\n\nQuestion: next"
+    ids = tokenizer.encode(text)
+    det = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["\n\nQuestion"]))
+    reasons = [det.update([t]) for t in ids]
+    assert "\n\nQuestion" in reasons and det.output_text == "The answer is: Paris."
+    assert len(tokenizer.encode("\n\nQuestion")) > 1  # the stop string spans more than one token

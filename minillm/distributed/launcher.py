@@ -1,0 +1,315 @@
+"""Start one process per rank, hand them prefill jobs, collect their outputs, and fail fast when one fails.
+
+:class:`ContextParallelExecutor` spawns ``world_size`` worker processes (``torch.multiprocessing``, start method
+``spawn``) that join one gloo process group over loopback and load the model weights the parent saved once (memory
+mapped, so the processes share one copy). Each job runs on the first ``k`` ranks (a sub-group), so one set of
+processes serves 2-rank and 4-rank runs alike. Every wait in the parent has a deadline and every collective in the
+workers has a timeout; the first error a worker reports (preferring the rank that failed by itself over ranks that
+then lost their peer) is raised in the parent as :class:`ContextParallelError` with that rank's traceback.
+
+vLLM counterpart: ``MultiprocExecutor`` (``vllm/v1/executor/multiproc_executor.py``): worker processes per rank,
+a message queue for work, and a monitor that shuts everything down when a worker dies.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from minillm.config import LlamaConfig
+from minillm.distributed.comm import CollectiveError
+from minillm.distributed.context_parallel import STRATEGIES, RankPrefillOutput
+from minillm.distributed.splits import ContextSplit, make_split
+
+
+class ContextParallelError(RuntimeError):
+    """A worker rank failed; the message carries its rank and traceback."""
+
+
+@dataclass
+class ContextParallelResult:
+    """The outputs of every rank of one context-parallel prefill, put back in position order.
+
+    Attributes:
+        split: who held which positions.
+        strategy: ``"allgather"`` or ``"ring"``.
+        ranks: one :class:`~minillm.distributed.context_parallel.RankPrefillOutput` per rank, by rank.
+        wall_s: wall time of the job seen from the parent (sending the job to the last output received).
+    """
+
+    split: ContextSplit
+    strategy: str
+    ranks: list[RankPrefillOutput]
+    wall_s: float
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """``[vocab]`` next-token logits, from the rank holding the last position."""
+        out = self.ranks[self.split.last_token_rank].logits
+        assert out is not None
+        return out
+
+    def hidden_states(self) -> torch.Tensor:
+        """``[num_tokens, hidden]`` final hidden states of every position, gathered from the ranks."""
+        return self._assemble([r.hidden_states for r in self.ranks], dim=0)
+
+    def last_layer_kv(self) -> torch.Tensor:
+        """``[2, num_tokens, num_kv_heads, head_dim]``: the last layer's K and V of every position (the shards of
+        the KV cache that the ranks keep), in position order."""
+        return self._assemble([r.last_layer_kv for r in self.ranks], dim=1)
+
+    def _assemble(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        shape = list(parts[0].shape)
+        shape[dim] = self.split.num_tokens
+        full = parts[0].new_empty(shape)
+        for r, part in enumerate(parts):
+            full.index_copy_(dim, self.split.positions(r), part)
+        return full
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------------------------------
+
+def _load_model(path: str) -> torch.nn.Module:
+    from minillm.loaders.gguf_loader import _load_state
+    from minillm.model.llama import LlamaForCausalLM
+
+    saved = torch.load(path, mmap=True, weights_only=True)
+    config = LlamaConfig(**saved["config"])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device="cpu")
+    _load_state(model, dict(saved["state"]), torch.float32)
+    return model.eval()
+
+
+def _to_bytes(obj) -> bytes:
+    # By value: a tensor shared through a queue would need the sender alive until the receiver maps it.
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _worker_main(rank: int, world_size: int, init_file: str, model_files: dict[str, str], jobs, results,
+                 start_timeout_s: float) -> None:
+    """Body of one worker process: join the group, load models, serve jobs until ``None``."""
+    import torch.distributed as dist
+
+    from minillm.distributed.context_parallel import context_parallel_forward
+
+    try:
+        # Several ranks share few cores: one thread each keeps them from fighting and makes per-rank CPU time
+        # meaningful.
+        torch.set_num_threads(1)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # Joining waits for the slowest rank to start; each job's collectives get the job's own, shorter timeout.
+        timeout = timedelta(seconds=start_timeout_s)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=timeout)
+        # One group per size k: ranks 0..k-1. new_group is collective, so every rank creates every group.
+        groups = {k: dist.new_group(list(range(k)), timeout=timeout)
+                  for k in range(1, world_size)}
+        groups[world_size] = dist.group.WORLD
+        models = {name: _load_model(path) for name, path in model_files.items()}
+        results.put(("ready", rank, None))
+        while True:
+            job = jobs.get()
+            if job is None:
+                break
+            split = make_split(job["num_tokens"], job["world_size"], job["split"])
+            fail = job["fail_at_layer"] if job["fail_rank"] == rank else None
+            out = context_parallel_forward(models[job["model"]], torch.tensor(job["input_ids"]), split,
+                                           groups[job["world_size"]], job["strategy"], job["timeout_s"], fail,
+                                           job["fail_mode"])
+            results.put(("result", rank, _to_bytes(dataclasses.asdict(out))))
+    except BaseException as e:  # report everything, including KeyboardInterrupt, then exit
+        results.put(("error", rank, (isinstance(e, CollectiveError), traceback.format_exc())))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parent side
+# ---------------------------------------------------------------------------------------------------------------
+
+class ContextParallelExecutor:
+    """``world_size`` worker processes that prefill prompts together. Use as a context manager.
+
+    Args:
+        models: name -> :class:`~minillm.model.llama.LlamaForCausalLM`; weights are saved once to a temporary file
+            and memory-mapped by every worker.
+        world_size: number of worker processes (the largest context-parallel group a job may use).
+        timeout_s: default timeout of every collective of a job; the parent gives a job ``timeout_s`` plus a margin.
+        start_timeout_s: how long the workers may take to start (import torch, join the group, load weights).
+
+    Example::
+
+        with ContextParallelExecutor({"smollm": model}, world_size=4) as cp:
+            result = cp.prefill("smollm", input_ids, strategy="ring", split="zigzag")
+            next_token = int(result.logits.argmax())
+    """
+
+    def __init__(self, models: dict[str, torch.nn.Module], world_size: int, timeout_s: float = 60.0,
+                 start_timeout_s: float = 180.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not models:
+            raise ValueError("give at least one model")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.broken = False
+        self._tmp = Path(tempfile.mkdtemp(prefix="minillm_cp_"))
+        self._configs = {name: m.config for name, m in models.items()}
+        files = {}
+        for name, m in models.items():
+            files[name] = str(self._tmp / f"{name}.pt")
+            torch.save({"config": dataclasses.asdict(m.config), "state": m.state_dict()}, files[name])
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_worker_main, daemon=True, name=f"minillm-cp-rank{r}",
+                                   args=(r, world_size, str(self._tmp / "store"), files, self._jobs[r],
+                                         self._results, start_timeout_s))
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        try:
+            self._collect("ready", world_size, start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "ContextParallelExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def prefill(self, model: str, input_ids: torch.Tensor | list[int], world_size: int | None = None,
+                strategy: str = "allgather", split: str = "plain", timeout_s: float | None = None,
+                fail_rank: int | None = None, fail_at_layer: int = 0, fail_mode: str = "raise"
+                ) -> ContextParallelResult:
+        """Prefill ``input_ids`` on ranks ``0 ... world_size-1``.
+
+        Args:
+            model: a name given to the constructor.
+            input_ids: ``[num_tokens]`` prompt ids.
+            world_size: ranks to use, ``1 ... self.world_size`` (default all).
+            strategy: ``"allgather"`` or ``"ring"``.
+            split: ``"plain"`` or ``"zigzag"``.
+            timeout_s: timeout of every collective of this job (default: the executor's).
+            fail_rank, fail_at_layer, fail_mode: for tests, make that rank raise (``"raise"``) or stall (``"hang"``)
+                at that layer.
+
+        Raises:
+            ContextParallelError: a rank failed (its traceback is in the message); the executor is then closed.
+        """
+        if self.broken:
+            raise ContextParallelError("this executor was closed after an error; start a new one")
+        world_size = self.world_size if world_size is None else world_size
+        if not 1 <= world_size <= self.world_size:
+            raise ValueError(f"world_size must be in [1, {self.world_size}], got {world_size}")
+        if model not in self._configs:
+            raise ValueError(f"unknown model {model!r}; have {sorted(self._configs)}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if fail_mode not in ("raise", "hang"):
+            raise ValueError(f"fail_mode must be 'raise' or 'hang', got {fail_mode!r}")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        ids = [int(t) for t in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
+        the_split = make_split(len(ids), world_size, split)  # validates before anything is sent
+        job = {"model": model, "input_ids": ids, "num_tokens": len(ids), "world_size": world_size,
+               "strategy": strategy, "split": split, "timeout_s": timeout_s, "fail_rank": fail_rank,
+               "fail_at_layer": fail_at_layer, "fail_mode": fail_mode}
+        t0 = time.perf_counter()
+        for r in range(world_size):
+            self._jobs[r].put(job)
+        outs = self._collect("result", world_size, timeout_s + 30.0)
+        wall = time.perf_counter() - t0
+        ranks = [RankPrefillOutput(**_from_bytes(outs[r])) for r in range(world_size)]
+        return ContextParallelResult(the_split, strategy, ranks, wall)
+
+    def _collect(self, kind: str, count: int, deadline_s: float) -> dict[int, object]:
+        """Wait for ``count`` messages of ``kind``; on any error or dead worker, shut down and raise."""
+        got: dict[int, object] = {}
+        end = time.monotonic() + deadline_s
+        while len(got) < count:
+            try:
+                msg_kind, rank, payload = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p for p in self._procs if p.exitcode is not None]
+                if dead:
+                    self._fail(None, f"worker {dead[0].name} exited with code {dead[0].exitcode} without "
+                                     f"reporting an error")
+                if time.monotonic() > end:
+                    self._fail(None, f"no {kind!r} from ranks {sorted(set(range(count)) - set(got))} within "
+                                     f"{deadline_s:.0f} s")
+                continue
+            if msg_kind == "error":
+                self._fail((rank, payload), "")
+            got[rank] = payload
+        return got
+
+    def _fail(self, first_error: tuple[int, tuple[bool, str]] | None, message: str) -> None:
+        errors = [first_error] if first_error else []
+        # Wait briefly for the other reports: the rank that failed by itself may report after ranks that only
+        # lost their peer, and its error is the one worth showing.
+        grace_end = time.monotonic() + 3.0
+        while time.monotonic() < grace_end and not any(not comm for _, (comm, _) in errors):
+            try:
+                kind, rank, payload = self._results.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if kind == "error":
+                errors.append((rank, payload))
+        self.close(graceful=False)
+        if errors:
+            rank, (_, tb) = next((e for e in errors if not e[1][0]), errors[0])
+            others = sorted({r for r, _ in errors} - {rank})
+            also = f" (ranks {others} then failed too)" if others else ""
+            raise ContextParallelError(f"rank {rank} failed{also}:\n{tb}")
+        raise ContextParallelError(message)
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the workers (asking them to leave the group, then by force) and delete the temporary weights.
+
+        ``graceful=False`` (after an error): terminate at once; ranks stuck waiting on a dead peer need not wait out
+        their timeout.
+        """
+        self.broken = True
+        for q, p in zip(self._jobs, self._procs):
+            if graceful and p.is_alive():
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+        end = time.monotonic() + (3.0 if graceful else 0.0)
+        for p in self._procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        shutil.rmtree(self._tmp, ignore_errors=True)

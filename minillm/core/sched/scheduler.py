@@ -1,0 +1,321 @@
+"""The scheduler: each step, decide which requests run and how many tokens each computes.
+
+There is no prefill phase and no decode phase. A request has ``num_tokens`` (prompt + outputs so far) and
+``num_computed_tokens`` (tokens whose K/V are in the cache); each step it needs ``num_tokens - num_computed_tokens``
+more. A new prompt needs hundreds, a decode needs one, a resumed request needs its prompt *and* its outputs again.
+One step, in this order:
+
+1. **RUNNING requests first**, in queue order. Each gets ``min(what it needs, long_prefill_token_threshold, the
+   budget left)`` tokens and KV slots for them. When the KV cache cannot hold them, a running request is
+   preempted by recompute (FCFS: the last one; priority: the one with the largest ``(priority, arrival_time)``):
+   its blocks are freed, ``num_computed_tokens`` goes back to 0 and it returns to the front of the waiting queue.
+   This repeats until the allocation fits or the request has preempted itself.
+2. **WAITING requests next**, only if nothing was preempted in this step, in policy order (FCFS queue or priority
+   heap), while the budget, the seats (``max_num_seqs``) and the KV cache last. A prefix-cache hit skips the
+   cached part; a prompt that does not fit the budget left is chunked (or, with chunked prefill off, admission
+   stops).
+3. ``num_computed_tokens`` advances right away by what was scheduled, so the next step can schedule the next chunk.
+
+The budget ``max_num_batched_tokens`` covers *all* tokens of the step, including those of requests admitted from
+the waiting queue in this very step: they are moved to RUNNING and run in this step's forward pass.
+
+vLLM counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``, ``_preempt_request``,
+``update_from_output``, ``finish_requests``). vLLM adds speculative decoding, multimodal encoder budgets, LoRA,
+structured output, KV transfer between instances, async scheduling and pipeline parallelism.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from minillm.config import SchedulerConfig
+from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.core.kv_cache_utils import KVCacheBlock
+from minillm.core.sched.output import (CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput)
+from minillm.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from minillm.core.sched.utils import check_stop
+from minillm.request import Request, RequestStatus
+
+
+@dataclass
+class StepState:
+    """The bookkeeping of one :meth:`Scheduler.schedule` call while it runs (vLLM keeps these as local variables).
+
+    Attributes:
+        token_budget: tokens still available in this step.
+        num_scheduled_tokens: request id -> tokens scheduled so far in this step.
+        req_to_new_block_ids: request id -> block ids to send (new blocks of a running request; all blocks of an
+            admitted one).
+        scheduled_running_reqs / scheduled_new_reqs / scheduled_resumed_reqs: who was scheduled, by kind.
+        preempted_reqs: requests preempted in this step.
+    """
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    req_to_new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_running_reqs: list[Request] = field(default_factory=list)
+    scheduled_new_reqs: list[Request] = field(default_factory=list)
+    scheduled_resumed_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+
+    def schedule(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
+        """Record ``num_new_tokens`` for ``request`` and charge them to the budget."""
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.req_to_new_block_ids[request.request_id] = block_ids
+        self.token_budget -= num_new_tokens
+
+    def unschedule(self, request: Request) -> None:
+        """Undo :meth:`schedule` for a running request preempted later in the same step (priority policy)."""
+        self.scheduled_running_reqs.remove(request)
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        del self.req_to_new_block_ids[request.request_id]
+
+
+class Scheduler:
+    """Continuous batching with a token budget, chunked prefill, prefix caching and preemption by recompute.
+
+    Args:
+        scheduler_config: budget, seats, ``max_model_len``, chunking and policy.
+        num_gpu_blocks: KV cache blocks (including the null block the block pool reserves).
+        block_size: tokens per KV block.
+        enable_prefix_caching: reuse full blocks whose token prefix matches.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, block_size: int = 16,
+                 enable_prefix_caching: bool = True) -> None:
+        if not isinstance(scheduler_config, SchedulerConfig):
+            raise ValueError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
+        self.scheduler_config = scheduler_config
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.block_size = block_size
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
+        # One request of max_model_len tokens must fit alone, or it would preempt itself forever.
+        if self.kv_cache_manager.num_free_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.kv_cache_manager.num_free_blocks} usable blocks x {block_size} tokens = "
+                f"{self.kv_cache_manager.num_free_blocks * block_size} tokens, fewer than max_model_len "
+                f"({self.max_model_len}); raise num_gpu_blocks or lower max_model_len")
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the previous schedule(): sent once in the next SchedulerOutput so the runner frees them.
+        self.finished_req_ids: set[str] = set()
+        self.prev_step_scheduled_req_ids: set[str] = set()
+
+    # -- requests in and out ------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: its prompt has {request.num_tokens} tokens, which "
+                             f"leaves no room for an output within max_model_len ({self.max_model_len})")
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} must be WAITING to be added, got {request.status.name}")
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests from outside (e.g. a client went away): leave the queues, free the blocks.
+
+        Unknown or already finished ids are ignored.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        requests = [self.requests[i] for i in dict.fromkeys(ids) if i in self.requests]
+        running = {id(r) for r in requests if r.status == RequestStatus.RUNNING}
+        self.running = [r for r in self.running if id(r) not in running]
+        self.waiting.remove_requests([r for r in requests if id(r) not in running])
+        for request in requests:
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """``(len(running), len(waiting))``."""
+        return len(self.running), len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # -- one step -----------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then (if nothing was preempted) waiting ones."""
+        step = StepState(token_budget=self.max_num_scheduled_tokens)
+        self._schedule_running(step)
+        # A preemption means the KV cache is full: admitting newcomers now would only preempt them next step.
+        if not step.preempted_reqs:
+            self._schedule_waiting(step)
+
+        total_num_scheduled_tokens = sum(step.num_scheduled_tokens.values())
+        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
+        assert step.token_budget >= 0
+        assert len(self.running) <= self.max_num_running_reqs
+
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData.from_request(r, step.req_to_new_block_ids[r.request_id])
+                                for r in step.scheduled_new_reqs],
+            scheduled_cached_reqs=self._make_cached_request_data(step),
+            num_scheduled_tokens=dict(step.num_scheduled_tokens),
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            preempted_req_ids={r.request_id for r in step.preempted_reqs},
+            finished_req_ids=self.finished_req_ids,
+        )
+        self._update_after_schedule(scheduler_output)
+        return scheduler_output
+
+    def _schedule_running(self, step: StepState) -> None:
+        """Give each RUNNING request, in order, the tokens it needs (capped), preempting when KV runs out."""
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        req_index = 0
+        while req_index < len(self.running) and step.token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(num_new_tokens, step.token_budget)
+
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
+            if new_blocks is None:
+                break  # it preempted itself: no memory left for anyone after it either
+            step.scheduled_running_reqs.append(request)
+            step.schedule(request, num_new_tokens, [b.block_id for b in new_blocks])
+            # Under the priority policy a victim may sit before this request; find where it is now.
+            req_index = self.running.index(request) + 1
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
+                             step: StepState) -> list[KVCacheBlock] | None:
+        """Allocate KV slots for ``request``, preempting running requests until they fit.
+
+        Returns the new blocks, or ``None`` when ``request`` itself was the victim.
+        """
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            if self.policy is SchedulingPolicy.PRIORITY:
+                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                self.running.remove(victim)
+                if victim in step.scheduled_running_reqs:
+                    step.unschedule(victim)  # its tokens and blocks go back to the step
+            else:
+                victim = self.running.pop()
+            self._preempt_request(victim)
+            step.preempted_reqs.append(victim)
+            if victim is request:
+                return None
+
+    def _preempt_request(self, request: Request) -> None:
+        """Preempt by recompute: free the blocks, forget the K/V, queue it again in front. (Already off ``running``.)"""
+        assert request.status == RequestStatus.RUNNING, f"only a running request can be preempted, got {request}"
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _schedule_waiting(self, step: StepState) -> None:
+        """Admit WAITING (new or preempted) requests in policy order while budget, seats and KV cache last."""
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        while self.waiting and step.token_budget > 0:
+            if len(self.running) == self.max_num_running_reqs:
+                break
+            request = self.waiting.peek_request()
+
+            new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > step.token_budget:
+                break  # no chunking: wait for a step with room for the whole prompt
+            num_new_tokens = min(num_new_tokens, step.token_budget)
+
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_computed_tokens,
+                                                              new_computed_blocks)
+            if new_blocks is None:
+                break  # the KV cache is full; requests behind it wait too (no overtaking)
+
+            self.waiting.pop_request()
+            self.running.append(request)
+            if request.status == RequestStatus.WAITING:
+                step.scheduled_new_reqs.append(request)
+            else:
+                step.scheduled_resumed_reqs.append(request)
+            step.schedule(request, num_new_tokens, self.kv_cache_manager.get_block_ids(request.request_id))
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+
+    def _make_cached_request_data(self, step: StepState) -> CachedRequestData:
+        data = CachedRequestData()
+        data.resumed_req_ids = {r.request_id for r in step.scheduled_resumed_reqs}
+        for request in step.scheduled_running_reqs + step.scheduled_resumed_reqs:
+            rid = request.request_id
+            data.req_ids.append(rid)
+            if rid not in self.prev_step_scheduled_req_ids:
+                data.all_token_ids[rid] = list(request.all_token_ids)
+            data.new_block_ids.append(step.req_to_new_block_ids[rid])
+            data.num_computed_tokens.append(request.num_computed_tokens)
+            data.num_output_tokens.append(request.num_output_tokens)
+        return data
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        # Advance now, not after the model ran: the output above carries the old values (where each chunk starts),
+        # and the next schedule() can already hand out the next chunk.
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            self.requests[rid].num_computed_tokens += n
+        self.prev_step_scheduled_req_ids = set(scheduler_output.num_scheduled_tokens)
+        # A new set, not clear(): the output just built still holds the old one.
+        self.finished_req_ids = set()
+
+    # -- after the model ran ------------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, stop finished requests and free their blocks.
+
+        Args:
+            scheduler_output: what :meth:`schedule` returned for this step.
+            model_runner_output: a :class:`~minillm.core.sched.output.ModelRunnerOutput` (``req_id_to_index``,
+                ``sampled_token_ids`` as one list of ints per row).
+
+        Returns:
+            One :class:`EngineCoreOutput` per request that got tokens or finished in this step.
+        """
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[int] = set()
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue  # aborted while the model ran
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # still mid-prefill: its sampled token followed a partial prompt, so it is meaningless
+            new_token_ids = list(model_runner_output.sampled_token_ids[model_runner_output.req_id_to_index[rid]])
+            finished = False
+            for i, token_id in enumerate(new_token_ids, 1):
+                request.append_output_token_ids(token_id)
+                if check_stop(request, self.max_model_len):
+                    del new_token_ids[i:]
+                    finished = True
+                    break
+            reason = request.get_finished_reason() if finished else None
+            if finished:
+                stopped.add(id(request))
+                self._free_request(request)
+            if new_token_ids or finished:
+                outputs.append(EngineCoreOutput(rid, new_token_ids, reason, request.stop_reason))
+        if stopped:
+            self.running = [r for r in self.running if id(r) not in stopped]
+        return outputs

@@ -4,8 +4,13 @@ A *chunk* of ``n`` query tokens at absolute positions ``ctx_len ... ctx_len+n-1`
 ctx_len+n-1``: all ``ctx_len`` earlier tokens (the prefix, from the KV cache) and, causally, its own tokens. The mask
 is the rectangle ``[n, ctx_len+n]`` whose diagonal is shifted right by ``ctx_len``.
 
+Attention over "prefix plus chunk" can also be computed in two independent parts, attention over the prefix (no mask)
+and causal attention over the chunk, joined exactly by :func:`merge_attn_states` from each part's output and
+log-sum-exp (:func:`prefix_chunk_attention`). That identity is what lets kernels stream over the KV cache in tiles.
+
 vLLM counterparts: the chunked-prefill attention ops (``vllm/attention/ops/triton_unified_attention.py``,
-``prefix_prefill.py``) and ``merge_attn_states`` (``vllm/attention/ops/triton_merge_attn_states.py``).
+``prefix_prefill.py``; ``vllm/v1/attention/ops/`` in recent releases) and ``merge_attn_states``
+(``vllm/attention/ops/merge_attn_states.py``, ``triton_merge_attn_states.py``).
 """
 from __future__ import annotations
 
@@ -66,6 +71,8 @@ def reference_attention(
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     num_q, num_heads, head_dim = q.shape
     num_k = k.shape[0]
+    if k.shape[2] != head_dim:
+        raise ValueError(f"q and k must have the same head_dim, got {head_dim} and {k.shape[2]}")
     if ctx_len is None:
         ctx_len = num_k - num_q
     if causal and ctx_len + num_q != num_k:
@@ -113,3 +120,32 @@ def merge_attn_states(
     w_b = torch.exp(lse_b - safe).nan_to_num(0.0)[..., None]
     out = w_a * out_a.float() + w_b * out_b.float()
     return out.to(out_a.dtype), lse
+
+
+def prefix_chunk_attention(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_chunk: torch.Tensor,
+    v_chunk: torch.Tensor,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a chunk over ``prefix + chunk``, computed as two parts joined by :func:`merge_attn_states`.
+
+    Part A: every query of the chunk sees every prefix key (no mask is needed: the whole prefix is in its past).
+    Part B: causal attention of the chunk over its own keys (the ordinary triangle, offset 0). The merge of the two
+    equals ``reference_attention(q, cat(k_prefix, k_chunk), cat(v_prefix, v_chunk))`` up to fp32 rounding.
+
+    Args:
+        q: ``[num_q, num_heads, head_dim]``.
+        k_prefix, v_prefix: ``[ctx_len, num_kv_heads, head_dim]`` (``ctx_len`` may be 0).
+        k_chunk, v_chunk: ``[num_q, num_kv_heads, head_dim]``.
+        scale, return_lse: as in :func:`reference_attention`.
+    """
+    if k_chunk.shape[0] != q.shape[0]:
+        raise ValueError(f"k_chunk must have one row per query, got {k_chunk.shape[0]} rows for {q.shape[0]} queries")
+    out_a, lse_a = reference_attention(q, k_prefix, v_prefix, causal=False, scale=scale, return_lse=True)
+    out_b, lse_b = reference_attention(q, k_chunk, v_chunk, ctx_len=0, causal=True, scale=scale, return_lse=True)
+    out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
+    return (out, lse) if return_lse else out

@@ -219,11 +219,15 @@ def choose_config(q: torch.Tensor, num_seqs: int, num_kv_heads: int, block_size:
     group = num_heads // num_kv_heads
     on_gpu = q.device.type == "cuda"
     decode_only = max_query_len <= 1
+    # fp32 runs on a GPU only as a correctness path: its exact ("ieee") dot has no tensor cores and needs many
+    # registers, so it gets small tiles. Register and shared-memory use of these choices was checked by compiling
+    # for sm_80 and sm_90 without a GPU (python -m kernels.compile_check).
+    gpu_fp32 = on_gpu and q.dtype == torch.float32
     if block_m is None:
         if decode_only:
             block_m = 16
         elif on_gpu:
-            block_m = 128 if head_dim <= 128 else 64
+            block_m = 32 if gpu_fp32 else 128
         else:
             block_m = 64  # the interpreter pays per program and per operation, hardly per element
         block_m = max(block_m, triton.next_power_of_2(group))
@@ -231,7 +235,7 @@ def choose_config(q: torch.Tensor, num_seqs: int, num_kv_heads: int, block_size:
         raise ValueError(f"block_m must be a power of two >= 16 and >= num_queries_per_kv ({group}), got {block_m}")
     block_q = block_m // group
     if tile_size is None:
-        tile_size = 64
+        tile_size = 32 if gpu_fp32 else 64
     if tile_size < 16 or tile_size & (tile_size - 1):
         raise ValueError(f"tile_size must be a power of two >= 16, got {tile_size}")
     max_tiles = max(1, triton.cdiv(max_seq_len, tile_size))
@@ -246,7 +250,7 @@ def choose_config(q: torch.Tensor, num_seqs: int, num_kv_heads: int, block_size:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     num_kv_splits = min(num_kv_splits, max_tiles)  # no segment without at least one tile
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    num_warps = 8 if (on_gpu and block_m >= 128 and head_dim_padded >= 128) else 4
+    num_warps = 8 if block_m >= 128 else 4
     num_stages = 2 if head_dim_padded >= 128 else 3
     return LaunchConfig(block_m, block_q, tile_size, num_kv_splits, num_warps, num_stages)
 
@@ -352,3 +356,37 @@ def unified_attention(
             NUM_SEGMENTS=cfg.num_segments, SEGMENTS_PADDED=max(2, triton.next_power_of_2(cfg.num_segments)),
         )
     return out
+
+
+@dataclass(frozen=True)
+class ProgramWork:
+    """What one ``(query block, KV head)`` program of :func:`unified_attention` does (split-KV off)."""
+
+    program: int          # index on grid axis 0
+    seq: int              # request it serves
+    q_block: int          # its query block inside the request
+    tokens: range         # rows of the flat batch it computes
+    kv_end: int           # it reads key positions 0 .. kv_end-1
+    blocks: list[int]     # physical cache blocks it reads, in order
+
+
+def describe_programs(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                      block_size: int, block_q: int) -> list[ProgramWork]:
+    """The host-side mirror of the kernel's index arithmetic: for every non-spare program on grid axis 0, which
+    request, tokens and cache blocks it touches. For pictures and tests; the kernel never calls it."""
+    qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
+    num_seqs = len(sl)
+    work = []
+    for program in range(qsl[-1] // block_q + num_seqs):
+        seq = max(i for i in range(num_seqs) if qsl[i] // block_q + i <= program)  # what find_seq_idx returns
+        query_len = qsl[seq + 1] - qsl[seq]
+        q_block = program - (qsl[seq] // block_q + seq)
+        if q_block * block_q >= query_len:
+            continue
+        context_len = sl[seq] - query_len
+        kv_end = min(sl[seq], context_len + (q_block + 1) * block_q)
+        first = qsl[seq] + q_block * block_q
+        tokens = range(first, min(first + block_q, qsl[seq + 1]))
+        blocks = block_table[seq, : -(-kv_end // block_size)].tolist()
+        work.append(ProgramWork(program, seq, q_block, tokens, kv_end, blocks))
+    return work

@@ -1,0 +1,244 @@
+"""Chapter 3 kernels against plain PyTorch: ``reshape_and_cache`` and ``unified_attention`` (and its stages).
+
+Without a GPU every kernel runs in Triton's interpreter (conftest sets ``TRITON_INTERPRET=1``), so batches are
+small; the block sizes are chosen so every code path still runs: several query blocks per request, several KV
+tiles, contexts that end inside a cache block, decodes mixed with prefills, GQA groups of 1, 3 and 4.
+
+Tolerances (absolute, against an fp32 reference computed from the *same* inputs, upcast):
+- fp32: 1e-4. Kernel and reference differ only in summation order (tiles, online rescaling); measured ~1e-6.
+- fp16: 2e-3. The kernel rounds the probabilities to fp16 before ``P @ V`` (relative error 2^-11) and the output
+  to fp16 (half an ulp: <= 2^-11 * |out|, |out| <= max |v| ~ 4 for unit normal values); measured ~7e-4.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import kernels
+from kernels.attention_stages import attention_contiguous, attention_paged_one_seq, attention_varlen
+from kernels.testing import gather_kv, make_paged_batch, paged_reference_attention
+from kernels.triton_basics import softmax_rows
+from kernels.unified_attention import choose_config, describe_programs
+from minillm.attention.reference import reference_attention
+
+ATOL = {torch.float32: 1e-4, torch.float16: 2e-3}
+
+
+def _reference(b, scale=None):
+    """fp32 reference over the batch's inputs upcast to fp32."""
+    return paged_reference_attention(b.q.float(), b.key_cache.float(), b.value_cache.float(), b.query_start_loc,
+                                     b.seq_lens, b.block_table, scale=scale)
+
+
+def _random_lengths(rng: random.Random, block_size: int, tile: int) -> tuple[list[int], list[int]]:
+    """A varlen batch with every kind of request: a fresh prefill longer than a tile, a chunk whose context ends
+    inside a cache block, decodes with contexts on and off block boundaries, and one random request."""
+    query_lens = [rng.randint(tile + 1, 2 * tile + 3), rng.randint(2, tile), 1, 1, rng.randint(1, 2 * tile)]
+    context_lens = [0, rng.randint(1, 2 * block_size) + block_size // 2, block_size - 1,
+                    rng.randint(2 * block_size, 3 * block_size), rng.randint(0, 2 * block_size)]
+    return query_lens, context_lens
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reshape_and_cache
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(3, 64, 16), (2, 80, 32), (1, 128, 16)])
+def test_reshape_and_cache_writes_slots_and_skips_padding(dtype, num_kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(head_dim)
+    num_blocks, num_tokens = 5, 37
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[::4] = -1  # padding tokens: must not be written anywhere
+    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), 7.0, dtype=dtype)
+    value_cache = torch.full_like(key_cache, -7.0)
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+
+    want_k = torch.full((num_blocks * block_size, num_kv_heads, head_dim), 7.0, dtype=dtype)
+    want_v = torch.full_like(want_k, -7.0)
+    keep = slots >= 0
+    want_k[slots[keep]] = key[keep]
+    want_v[slots[keep]] = value[keep]
+    assert torch.equal(key_cache.view_as(want_k), want_k)  # a copy: exact
+    assert torch.equal(value_cache.view_as(want_v), want_v)
+
+
+def test_reshape_and_cache_strided_input_and_fp16_cache():
+    """K/V sliced out of a fused qkv tensor (non-contiguous) into an fp16 cache: the kernel casts on store."""
+    qkv = torch.randn(9, 3 * 2, 32)
+    key, value = qkv[:, 2:4], qkv[:, 4:6]
+    key_cache = torch.zeros(2, 16, 2, 32, dtype=torch.float16)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.tensor([3, 4, 5, -1, 16, 17, 31, 0, -1])
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    keep = slots >= 0
+    assert torch.equal(key_cache.view(-1, 2, 32)[slots[keep]], key[keep].half())
+    assert torch.equal(value_cache.view(-1, 2, 32)[slots[keep]], value[keep].half())
+    assert int((key_cache.view(-1, 2, 32).abs().sum((1, 2)) > 0).sum()) == int(keep.sum())
+
+
+def test_reshape_and_cache_rejects_bad_input():
+    key = torch.randn(4, 2, 16)
+    cache = torch.zeros(2, 16, 2, 16)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="holds only 32 slots"):
+        kernels.reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0, 1, 2, 32]))
+    with pytest.raises(ValueError, match="num_kv_heads=2, head_dim=16"):
+        kernels.reshape_and_cache(key, key, torch.zeros(2, 16, 3, 16), torch.zeros(2, 16, 3, 16),
+                                  torch.arange(4))
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.reshape_and_cache(key.bfloat16(), key.bfloat16(), cache.bfloat16(), cache.bfloat16(),
+                                  torch.arange(4))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# unified_attention
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128)])
+def test_unified_attention_random_varlen_batches(dtype, block_size, num_heads, num_kv_heads, head_dim):
+    """GQA ratios 1, 3, 4; head dims 32, 64, 128; block sizes 16, 32; small tiles (many blocks and tiles per
+    request) and the default launch configuration."""
+    rng = random.Random(f"{dtype}{block_size}{num_heads}")
+    for block_m, tile in ((16, 16), (None, None)):
+        query_lens, context_lens = _random_lengths(rng, block_size, tile or 32)
+        b = make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                             generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        out = kernels.unified_attention(*b.kernel_args(), block_m=block_m, tile_size=tile)
+        assert out.dtype == dtype and out.shape == b.q.shape
+        err = (out.float() - _reference(b)).abs().max().item()
+        assert err <= ATOL[dtype], f"max abs error {err:.2e} for query_lens={query_lens}, contexts={context_lens}"
+
+
+def test_unified_attention_head_dim_not_power_of_two_and_custom_scale():
+    b = make_paged_batch([19, 1], [13, 40], 6, 2, 80, 16)
+    out = kernels.unified_attention(*b.kernel_args(), scale=0.3, block_m=16, tile_size=16)
+    assert (out - _reference(b, scale=0.3)).abs().max().item() <= ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [70, 5, 33]), ([9, 1, 20], [40, 64, 0])])
+def test_split_kv_segments_merge_exactly(query_lens, context_lens):
+    """Split-KV (flash decoding): segments, including empty ones, merged by the reduce kernel."""
+    b = make_paged_batch(query_lens, context_lens, 4, 2, 32, 16)
+    out = kernels.unified_attention(*b.kernel_args(), block_m=16, tile_size=16, num_kv_splits=3)
+    assert (out - _reference(b)).abs().max().item() <= ATOL[torch.float32]
+
+
+def test_write_with_reshape_and_cache_then_attend():
+    """The order a model layer uses: write the chunk's K/V at slot_mapping, then attend over the cache."""
+    b = make_paged_batch([12, 1, 5], [0, 20, 17], 4, 2, 32, 16)
+    fresh_k = torch.zeros_like(b.key_cache)
+    fresh_v = torch.zeros_like(b.value_cache)
+    qsl, sl = b.query_start_loc.tolist(), b.seq_lens.tolist()
+    for i, seq_len in enumerate(sl):  # history (context) written by earlier steps
+        ctx = seq_len - (qsl[i + 1] - qsl[i])
+        k, v = gather_kv(b.key_cache, b.value_cache, b.block_table[i], ctx)
+        pos = torch.arange(ctx)
+        slots = b.block_table[i].long()[pos // 16] * 16 + pos % 16
+        kernels.reshape_and_cache(k, v, fresh_k, fresh_v, slots)
+    new_k = torch.cat([gather_kv(b.key_cache, b.value_cache, b.block_table[i], s)[0][s - (qsl[i + 1] - qsl[i]):]
+                       for i, s in enumerate(sl)])
+    new_v = torch.cat([gather_kv(b.key_cache, b.value_cache, b.block_table[i], s)[1][s - (qsl[i + 1] - qsl[i]):]
+                       for i, s in enumerate(sl)])
+    kernels.reshape_and_cache(new_k, new_v, fresh_k, fresh_v, b.slot_mapping)
+    out = kernels.unified_attention(b.q, fresh_k, fresh_v, b.query_start_loc, b.seq_lens, b.block_table,
+                                    b.max_query_len, b.max_seq_len)
+    assert (out - _reference(b)).abs().max().item() <= ATOL[torch.float32]
+
+
+def test_unified_attention_rejects_bad_input():
+    b = make_paged_batch([3], [5], 4, 2, 32, 16)
+    args = list(b.kernel_args())
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        kernels.unified_attention(torch.randn(3, 3, 32), *args[1:])
+    with pytest.raises(ValueError, match="same dtype"):
+        kernels.unified_attention(b.q.half(), *args[1:])
+    with pytest.raises(ValueError, match="too few"):
+        kernels.unified_attention(*args[:6], 3, 1000)
+    with pytest.raises(ValueError, match="block_m"):
+        kernels.unified_attention(*args, block_m=24)
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.unified_attention(b.q.bfloat16(), b.key_cache.bfloat16(), b.value_cache.bfloat16(), *args[3:])
+
+
+def test_launch_config_shapes():
+    """The GPU rules of choose_config, checked without a GPU (they only read shapes), and the tl.dot >= 16 rule."""
+    q = torch.empty(5, 9, 64)
+    for max_q in (1, 300):
+        cfg = choose_config(q, 3, 3, 16, max_q, 400)
+        assert cfg.block_m >= 16 and cfg.tile_size >= 16 and cfg.block_q * 3 <= cfg.block_m
+    assert choose_config(torch.empty(5, 32, 64), 1, 1, 16, 1, 100).block_m == 32  # group of 32 needs 32 rows
+
+
+def test_describe_programs_covers_each_request_once():
+    b = make_paged_batch([23, 1, 7, 1], [0, 37, 16, 5], 4, 2, 32, 16)
+    work = describe_programs(b.query_start_loc, b.seq_lens, b.block_table, 16, block_q=8)
+    covered = [t for w in work for t in w.tokens]
+    assert covered == list(range(b.q.shape[0]))  # every token exactly once, in order
+    for i, seq_len in enumerate(b.seq_lens.tolist()):
+        last = max((w for w in work if w.seq == i), key=lambda w: w.q_block)
+        assert last.kv_end == seq_len and last.blocks == b.block_table[i, : -(-seq_len // 16)].tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The stages of the chapter (notebook section 3) and the first kernel (section 2)
+# ----------------------------------------------------------------------------------------------------------------
+def test_softmax_rows_kernel():
+    x = torch.randn(6, 37) * 30  # large scores: the max shift is what keeps exp finite
+    assert torch.allclose(softmax_rows(x), torch.softmax(x, -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_stages_agree_with_reference(dtype):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(20, 2, 32, generator=g).to(dtype)
+    k = torch.randn(45, 2, 32, generator=g).to(dtype)
+    v = torch.randn(45, 2, 32, generator=g).to(dtype)
+    want = reference_attention(q.float(), k.float(), v.float())
+    assert (attention_contiguous(q, k, v).float() - want).abs().max().item() <= ATOL[dtype]
+
+    one = make_paged_batch([20], [25], 2, 2, 32, 16, dtype)
+    got = attention_paged_one_seq(one.q, one.key_cache, one.value_cache, one.block_table[0], 45)
+    assert (got.float() - _reference(one)).abs().max().item() <= ATOL[dtype]
+
+    batch = make_paged_batch([20, 1, 5, 17], [25, 30, 0, 16], 2, 2, 32, 16, dtype)
+    got = attention_varlen(batch.q, batch.key_cache, batch.value_cache, batch.query_start_loc, batch.seq_lens,
+                           batch.block_table, batch.max_query_len)
+    assert (got.float() - _reference(batch)).abs().max().item() <= ATOL[dtype]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Without a GPU: the kernels still compile for one, and the benchmark says it needs one
+# ----------------------------------------------------------------------------------------------------------------
+_PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _PTXAS.exists(), reason="this Triton build ships no CUDA backend (ptxas)")
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter accepts code the GPU compiler rejects; compile the prefill and decode configurations (and
+    reshape_and_cache) for sm_90 offline, in a child process with the interpreter off."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    res = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--arch", "90", "--quick"], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "all kernels compiled" in res.stdout and res.stdout.count(" 90  ") == 4
+
+
+def test_bench_on_cpu_says_it_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run for real")
+    res = subprocess.run([sys.executable, "bench/attention.py"], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parents[1])
+    assert res.returncode == 0 and "needs a CUDA GPU" in res.stdout

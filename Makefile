@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab test test-py test-nb exercises clean
+.PHONY: setup lab test exercises clean
 
 # Re-running is fast: the stamp is newer than the files that decide what is installed.
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 setup: $(STAMP)
 
 # LAB_ARGS passes extra options, e.g. make lab LAB_ARGS="--no-browser --port=8899"
+# Jupyter refuses to run as root without --allow-root (containers, CI).
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ROOT) $(LAB_ARGS)
 
 test: setup
 	$(PY) -m pytest -n 2 --dist loadgroup tests notebooks solutions \

@@ -37,5 +37,6 @@ def test_make_lab_serves_the_notebooks():
         listing = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents?token={token}", timeout=10).read()
         assert b"00_welcome.ipynb" in listing, "JupyterLab must serve notebooks/"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)

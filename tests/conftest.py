@@ -16,6 +16,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# CI's 2 cores are slow and shared by 2 xdist workers: no per-example deadline, and a fixed seed so a failure
+# reproduces (hypothesis prints the failing example either way).
+settings.register_profile("minillm", deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("minillm")
 
 
 @pytest.fixture(autouse=True)

@@ -108,11 +108,14 @@ class ModelRunnerOutput:
         req_id_to_index: request id -> row.
         sampled_token_ids: per row, the tokens sampled for that request (one without speculative decoding). A
             request still mid-prefill gets a row too, but its token is meaningless and the scheduler drops it.
+        logprobs: request id -> one ``{token_id: logprob}`` per sampled token (the sampled token first, then the
+            most likely ones), only for requests that asked for ``logprobs``; ``None`` when none did.
     """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
+    logprobs: dict[str, list[dict[int, float]]] | None = None
 
 
 @dataclass

@@ -1,0 +1,218 @@
+"""The engine's arguments in one dataclass: the model, the KV cache size, the scheduler's limits, the backend.
+
+Every knob a user may turn when creating an :class:`~minillm.engine.llm_engine.LLMEngine` (or an
+:class:`~minillm.entrypoints.llm.LLM`, or ``python -m minillm serve``) lives here, with vLLM's names, and is checked
+before anything heavy happens. The ``resolved_*`` methods fill in the defaults that depend on the model and the
+device (``max_model_len``, the number of KV blocks, the attention backend).
+
+vLLM counterpart: ``vllm/engine/arg_utils.py`` (``EngineArgs``, ``EngineArgs.create_engine_config``), which spreads
+the same values over ``ModelConfig``, ``CacheConfig`` and ``SchedulerConfig``. vLLM spells our ``num_gpu_blocks``
+``num_gpu_blocks_override`` and sizes the cache by default from ``gpu_memory_utilization`` (a fraction of the GPU
+for weights, activations *and* cache); ``kv_cache_memory_fraction`` here is the fraction of the device's free memory
+given to the KV cache alone, which is simpler to reason about on a CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minillm.attention.paged import BACKENDS
+from minillm.config import SCHEDULING_POLICIES, LlamaConfig, SchedulerConfig
+
+# Used when neither num_gpu_blocks, kv_cache_memory_bytes nor kv_cache_memory_fraction is given.
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 ** 2
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def default_device() -> str:
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """``"auto"``/``None`` -> fp32 on a CPU, fp16 on a GPU; names like ``"float32"``, ``"bf16"``; or a dtype."""
+    if dtype is None or dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.float16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def available_memory_bytes(device: str) -> int:
+    """Free memory of the device: ``torch.cuda.mem_get_info`` on a GPU, ``MemAvailable`` of ``/proc/meminfo``
+    on a CPU (8 GiB if that file is missing, e.g. on macOS)."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 1024 ** 3
+
+
+@dataclass
+class EngineArgs:
+    """Everything that configures an engine (vLLM's names).
+
+    Attributes:
+        model: a ``.gguf`` file or a Hugging Face directory; ``None`` is the course's SmolLM2-135M-Instruct.
+        tokenizer: where the tokenizer comes from (default: the model's own file or directory).
+        block_size: tokens per KV cache block.
+        num_gpu_blocks: how many KV blocks to allocate, the reserved null block included (vLLM:
+            ``num_gpu_blocks_override``). Wins over the two memory settings below.
+        kv_cache_memory_bytes: size the cache to this many bytes (K and V of every layer).
+        kv_cache_memory_fraction: size the cache to this fraction of the device's free memory, in ``(0, 1]``.
+            When none of the three is given, the cache gets 512 MiB (about 11,000 tokens of SmolLM2 in fp32), or
+            more if ``max_model_len`` needs it.
+        max_num_batched_tokens: the token budget of one step (prefill chunks and decodes together). ``None``:
+            2048, or ``max_model_len`` when chunked prefill is off.
+        max_num_seqs: the most requests running at once; ``None``: 128, or the token budget if that is smaller.
+        max_model_len: the longest sequence (prompt + output); ``None``: the model's ``max_position_embeddings``.
+        enable_chunked_prefill: split long prompts across steps.
+        enable_prefix_caching: reuse KV blocks of a prompt prefix seen before.
+        long_prefill_token_threshold: the most tokens one request may take in a step (0: no cap).
+        scheduling_policy: ``"fcfs"`` or ``"priority"``.
+        attention_backend: ``"torch"`` (vectorized PyTorch SDPA over the paged cache) or ``"triton"`` (the
+            chapter-3 kernels); ``None``: ``"triton"`` on a GPU, ``"torch"`` on a CPU (where Triton is interpreted,
+            hence very slow).
+        dtype: weights, activations and KV cache: ``"auto"`` (fp32 on CPU, fp16 on GPU), ``"float32"``, ...
+        device: ``"cpu"``, ``"cuda"``; ``None``: a GPU if there is one.
+        seed: seeds the global generator that unseeded random sampling uses.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    attention_backend: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The argument names (what ``LLM(**engine_args)`` and the CLI accept)."""
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        """Build from keyword arguments, with a clear error for an unknown name."""
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {cls.field_names()}")
+        return cls(**kwargs)
+
+    def verify(self) -> None:
+        """Check every value that can be checked without the model; raise :class:`ValueError` naming it."""
+        def positive_int(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not _is_int(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {v!r}")
+
+        positive_int("block_size")
+        positive_int("max_num_seqs", allow_none=True)
+        positive_int("max_num_batched_tokens", allow_none=True)
+        positive_int("max_model_len", allow_none=True)
+        positive_int("kv_cache_memory_bytes", allow_none=True)
+        if self.num_gpu_blocks is not None and (not _is_int(self.num_gpu_blocks) or self.num_gpu_blocks < 2):
+            raise ValueError(f"num_gpu_blocks must be an integer >= 2 (block 0 is the reserved null block) or None, "
+                             f"got {self.num_gpu_blocks!r}")
+        f = self.kv_cache_memory_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1] or None, got {f!r}")
+        if not _is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got "
+                             f"{self.long_prefill_token_threshold!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.attention_backend is not None and self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS} or None, got {self.attention_backend!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        device = self.device or default_device()
+        if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA device")
+        parse_dtype(self.dtype, device)
+
+    # -- what depends on the model -------------------------------------------------------------------------------
+    def resolved_device(self) -> str:
+        return self.device or default_device()
+
+    def resolved_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype, self.resolved_device())
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.resolved_device().startswith("cuda") else "torch"
+
+    def resolved_max_model_len(self, model_config: LlamaConfig) -> int:
+        limit = model_config.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
+                             f"max_position_embeddings ({limit})")
+        return self.max_model_len
+
+    def create_scheduler_config(self, model_config: LlamaConfig) -> SchedulerConfig:
+        """The :class:`SchedulerConfig` these arguments describe (its own checks apply too)."""
+        max_model_len = self.resolved_max_model_len(model_config)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+            budget = max(budget, self.max_num_seqs or 0)
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else min(128, budget)
+        return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                               max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                               long_prefill_token_threshold=self.long_prefill_token_threshold,
+                               policy=self.scheduling_policy)
+
+    def resolved_num_gpu_blocks(self, model_config: LlamaConfig, max_model_len: int) -> int:
+        """KV blocks to allocate (null block included), from the explicit count or a memory budget."""
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        dtype_bytes = torch.empty((), dtype=self.resolved_dtype()).element_size()
+        block_bytes = self.block_size * model_config.kv_cache_bytes_per_token(dtype_bytes)
+        if self.kv_cache_memory_bytes is not None:
+            budget = self.kv_cache_memory_bytes
+        elif self.kv_cache_memory_fraction is not None:
+            budget = int(available_memory_bytes(self.resolved_device()) * self.kv_cache_memory_fraction)
+        else:
+            # The default must at least hold one request of max_model_len (the scheduler refuses less).
+            need = (-(-max_model_len // self.block_size) + 1) * block_bytes
+            return max(DEFAULT_KV_CACHE_BYTES, need) // block_bytes
+        return budget // block_bytes
+

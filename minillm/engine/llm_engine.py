@@ -1,0 +1,249 @@
+"""The engine: requests in, a step loop, outputs out. Where the scheduler, the model runner and the sampler meet.
+
+One :meth:`LLMEngine.step`::
+
+    scheduler.schedule()              -> SchedulerOutput      which requests run, how many tokens each
+    model_runner.execute_model(...)   -> ModelRunnerOutput    flat batch -> model -> logits at logits_indices -> sample
+    scheduler.update_from_output(...) -> EngineCoreOutputs    append tokens, check_stop, free finished blocks
+    output_processor.process_outputs  -> RequestOutputs       detokenize, stop strings, streaming deltas
+
+Continuous batching falls out of it: requests join (``add_request``) and leave (finish, ``abort_request``) between
+any two steps, and every step runs whatever mix of prefill chunks and decodes the scheduler chose, in one pass.
+
+vLLM counterpart: ``vllm/v1/engine/llm_engine.py`` (``LLMEngine``) driving ``vllm/v1/engine/core.py``
+(``EngineCore.step``), with the input checks of ``vllm/v1/engine/processor.py`` (``Processor``). vLLM runs the
+engine core in another process (``EngineCoreClient``) so detokenization overlaps the model; here it is one loop.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minillm.config import LlamaConfig
+from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.core.sched.scheduler import Scheduler
+from minillm.engine.arg_utils import EngineArgs
+from minillm.engine.output_processor import OutputProcessor
+from minillm.engine.outputs import RequestOutput
+from minillm.model.llama import LlamaForCausalLM
+from minillm.request import Request, RequestStatus
+from minillm.sampling_params import SamplingParams
+from minillm.worker.model_runner import ModelRunner
+
+PromptType = str | Sequence[int]
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine was created (for tests, benchmarks and the notebook).
+
+    Attributes:
+        num_steps: steps that ran the model.
+        num_scheduled_tokens: tokens computed (prefill chunks + decodes), summed over steps.
+        num_generated_tokens: tokens appended to requests.
+        num_preemptions: requests preempted (by recompute).
+        num_cached_prompt_tokens: prompt tokens served from the prefix cache at admission.
+    """
+
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache on one model.
+
+    Args:
+        model: a loaded :class:`~minillm.model.llama.LlamaForCausalLM`.
+        tokenizer: its Hugging Face tokenizer, or ``None`` (then prompts must be token ids and ``text`` is empty).
+        engine_args: the configuration (:class:`~minillm.engine.arg_utils.EngineArgs`); ``model``, ``dtype`` and
+            ``device`` in it are ignored here since the model is already loaded (see :meth:`from_engine_args`).
+
+    Raises:
+        ValueError: a bad argument, or a KV cache too small to hold one request of ``max_model_len`` tokens.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Any = None, engine_args: EngineArgs | None = None) -> None:
+        args = engine_args if engine_args is not None else EngineArgs()
+        if not isinstance(args, EngineArgs):
+            raise ValueError(f"engine_args must be an EngineArgs, got {type(args).__name__}")
+        self.engine_args = args
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_config: LlamaConfig = model.config
+        self.scheduler_config = args.create_scheduler_config(model.config)
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.num_gpu_blocks = args.resolved_num_gpu_blocks(model.config, self.max_model_len)
+        self.attention_backend = args.resolved_attention_backend()
+        if self.attention_backend == "triton":
+            import kernels  # noqa: F401  (switches on Triton's interpreter without a GPU before any kernel exists)
+        self.scheduler = Scheduler(self.scheduler_config, self.num_gpu_blocks, args.block_size,
+                                   args.enable_prefix_caching)
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.eos_token_id: int | None = eos if eos is not None else model.config.eos_token_id
+        self.model_runner = ModelRunner(model, self.num_gpu_blocks, args.block_size, self.attention_backend,
+                                        eos_token_id=self.eos_token_id)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stats = EngineStats()
+        torch.manual_seed(args.seed)  # the global generator unseeded random sampling draws from
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        """Load the model (and tokenizer) that ``engine_args`` name, then build the engine."""
+        import minillm
+        from minillm.tokenizer import load_tokenizer
+
+        model, tokenizer = minillm.load_model(engine_args.model, dtype=engine_args.resolved_dtype(),
+                                              device=engine_args.resolved_device())
+        if engine_args.tokenizer is not None:
+            tokenizer = load_tokenizer(engine_args.tokenizer)
+        return cls(model, tokenizer, engine_args)
+
+    # -- properties the callers use ---------------------------------------------------------------------------------
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.scheduler.kv_cache_manager
+
+    @property
+    def block_size(self) -> int:
+        return self.engine_args.block_size
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks free for allocation (cached-but-unused ones included). All of them when nothing runs:
+        ``num_gpu_blocks - 1`` (the null block is never handed out)."""
+        return self.kv_cache_manager.num_free_blocks
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- requests in ------------------------------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: give the prompt as a list of token ids")
+            if prompt == "":
+                raise ValueError("the prompt is empty; give at least one token")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must be integers in [0, {vocab}) (the vocabulary), got {bad[:5]!r}")
+        return ids
+
+    def _check_params(self, params: Any, prompt_len: int) -> SamplingParams:
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            try:
+                params = SamplingParams(**params)
+            except TypeError as e:
+                raise ValueError(f"invalid sampling parameters: {e}") from None
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams (or a dict of its fields), got {type(params).__name__}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in (params.stop_token_ids or []) if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad}")
+        # A validated private copy: the caller may reuse (or mutate) its object for other requests.
+        changes = {}
+        if params.max_tokens is None:
+            changes["max_tokens"] = self.max_model_len - prompt_len  # "until the context is full"
+        return params.clone(**changes)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Queue a request; it runs from the next :meth:`step` on.
+
+        Args:
+            request_id: a unique, non-empty string (unique among unfinished requests).
+            prompt: text (tokenized with the engine's tokenizer), a list of token ids, or a dict with
+                ``"prompt"`` or ``"prompt_token_ids"`` (vLLM's ``TextPrompt`` / ``TokensPrompt``).
+            params: how to sample and when to stop (default ``SamplingParams()``); ``max_tokens=None`` means
+                "until ``max_model_len``".
+            priority: lower runs first under ``scheduling_policy="priority"``.
+
+        Raises:
+            ValueError: an empty prompt, a prompt that leaves no room for one output token within
+                ``max_model_len``, token ids outside the vocabulary, invalid sampling parameters, or a request id
+                that is not a non-empty string or is already in use.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.output_processor.request_states or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, which leaves no room for an output token "
+                             f"within max_model_len ({self.max_model_len}); shorten the prompt or raise "
+                             f"max_model_len")
+        params = self._check_params(params, len(prompt_ids))
+        request = Request(request_id, prompt_ids, params, eos_token_id=self.eos_token_id, arrival_time=arrival_time,
+                          priority=priority)
+        self.output_processor.add_request(request_id, prompt_text, prompt_ids, params)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            self.output_processor.abort_requests([request_id])
+            raise
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now and free their KV blocks. Unknown or finished ids are ignored. No output is sent for
+        them (the caller already knows)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.output_processor.abort_requests(ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self.model_runner.remove_requests(ids)
+
+    # -- the loop ---------------------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, update. Returns one :class:`RequestOutput` per request that got
+        new tokens or finished in this step (a request mid-prefill gets none)."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self.output_processor.request_states.get(new.req_id)
+            if state is not None:
+                state.num_cached_tokens = new.num_computed_tokens
+                self.stats.num_cached_prompt_tokens += new.num_computed_tokens
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, reqs_to_abort = self.output_processor.process_outputs(core_outputs, runner_output.logprobs)
+        if reqs_to_abort:  # stop strings: the scheduler still holds these requests and their blocks
+            self.scheduler.finish_requests(reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        finished = [o.request_id for o in outputs if o.finished]
+        self.model_runner.remove_requests(finished)
+
+        if scheduler_output.total_num_scheduled_tokens:
+            self.stats.num_steps += 1
+        self.stats.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+        self.stats.num_generated_tokens += sum(len(o.new_token_ids) for o in core_outputs)
+        self.stats.num_preemptions += len(scheduler_output.preempted_req_ids)
+        return outputs

@@ -1,0 +1,163 @@
+"""``LLM``: offline batch inference in three lines, with vLLM's signature.
+
+::
+
+    from minillm.entrypoints.llm import LLM
+    from minillm.sampling_params import SamplingParams
+
+    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+    outputs = llm.generate(["Hello, my name is", "The capital of France is"], SamplingParams(temperature=0))
+    print(outputs[0].outputs[0].text)
+
+``generate`` adds every prompt to an :class:`~minillm.engine.llm_engine.LLMEngine`, then steps it until all are
+finished: continuous batching, chunked prefill, prefix caching and preemption all happen inside, configured by the
+engine arguments given to ``LLM(...)``.
+
+vLLM counterpart: ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LLM.chat``, ``LLM._run_engine`` with its tqdm
+bar). ``generate_stream`` is not in vLLM's ``LLM`` (vLLM streams through ``AsyncLLM.generate``); it is here so a
+notebook can watch the text grow without a server.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from minillm.engine.arg_utils import EngineArgs
+from minillm.engine.llm_engine import LLMEngine, PromptType
+from minillm.engine.outputs import RequestOutput
+from minillm.model.llama import LlamaForCausalLM
+from minillm.sampling_params import SamplingParams
+from minillm.tokenizer import chat_prompt_ids
+
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """An engine plus the convenience of running a whole batch of prompts to completion.
+
+    Args:
+        model: a ``.gguf`` file or a Hugging Face directory (``None``: the bundled SmolLM2), or an already loaded
+            :class:`~minillm.model.llama.LlamaForCausalLM` (then pass ``tokenizer`` as an object too).
+        tokenizer: a tokenizer path, or a tokenizer object when ``model`` is a loaded model.
+        **engine_args: any field of :class:`~minillm.engine.arg_utils.EngineArgs` (``block_size``,
+            ``num_gpu_blocks``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
+            ``enable_chunked_prefill``, ``enable_prefix_caching``, ``attention_backend``, ...).
+    """
+
+    def __init__(self, model: str | LlamaForCausalLM | None = None, tokenizer: Any = None, **engine_args: Any) -> None:
+        if isinstance(model, LlamaForCausalLM):
+            self.llm_engine = LLMEngine(model, tokenizer, EngineArgs.from_kwargs(**engine_args))
+        else:
+            self.llm_engine = LLMEngine.from_engine_args(
+                EngineArgs.from_kwargs(model=None if model is None else str(model), tokenizer=tokenizer,
+                                       **engine_args))
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    # -- adding requests --------------------------------------------------------------------------------------------
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    def _add_requests(self, prompts: list[PromptType],
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                      priority: Sequence[int] | None = None) -> list[str]:
+        if not prompts:
+            raise ValueError("no prompts given")
+        if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one, or "
+                                 f"one per prompt")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                rid = str(next(self.request_counter))
+                self.llm_engine.add_request(rid, prompt, params, priority=0 if priority is None else priority[i])
+                ids.append(rid)
+        except ValueError:
+            self.llm_engine.abort_request(ids)  # all or nothing: do not leave half a batch in the engine
+            raise
+        return ids
+
+    # -- running ----------------------------------------------------------------------------------------------------
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        out_tokens += len(out.outputs[0].token_ids)
+                        if pbar is not None:
+                            pbar.update(1)
+                            pbar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [finished[rid] for rid in request_ids]
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate a completion for every prompt; returns their :class:`RequestOutput` s in prompt order.
+
+        Args:
+            prompts: one prompt or a list; each is a string, a list of token ids, or a dict with ``"prompt"`` or
+                ``"prompt_token_ids"``.
+            sampling_params: one for all prompts, or one per prompt (default ``SamplingParams()``).
+            use_tqdm: show a progress bar over finished requests.
+            priority: one per prompt, for ``scheduling_policy="priority"``.
+        """
+        ids = self._add_requests(self._as_prompt_list(prompts), sampling_params, priority)
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` dicts) or a list of conversations, with the
+        model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations or any(not c for c in conversations):
+            raise ValueError("chat needs at least one non-empty conversation")
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        prompts = [{"prompt_token_ids": chat_prompt_ids(tok, list(c))} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def generate_stream(self, prompts: PromptType | Sequence[PromptType],
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                        ) -> Iterator[RequestOutput]:
+        """Yield every :class:`RequestOutput` as the engine produces it (``outputs[0].delta_text`` is the new text),
+        until all of these prompts are finished."""
+        ids = set(self._add_requests(self._as_prompt_list(prompts), sampling_params))
+        try:
+            while ids:
+                for out in self.llm_engine.step():
+                    if out.request_id in ids:
+                        if out.finished:
+                            ids.discard(out.request_id)
+                        yield out
+        finally:
+            if ids:  # the caller stopped iterating early: free what is left
+                self.llm_engine.abort_request(list(ids))

@@ -1,0 +1,277 @@
+"""The model runner: one :class:`SchedulerOutput` in, one forward pass over every scheduled token, one token out per
+request.
+
+Each step it
+
+1. updates its own copy of the requests (:class:`CachedRequestState`): drops finished ones, adds new ones, appends
+   new blocks, and resets resumed ones (preempted earlier, recomputed from scratch now);
+2. builds one **flat batch** (:class:`BatchInputs`) from all scheduled tokens of all requests, prefill chunks and
+   decodes together: ``input_ids`` and ``positions`` ``[num_tokens]``; per request ``query_start_loc``,
+   ``seq_lens`` and a ``block_table`` row; per token the ``slot_mapping`` where its K/V goes; and
+   ``logits_indices``, the last scheduled token of each request;
+3. runs the model once over the batch, with attention through the paged KV cache (backend ``"torch"``:
+   :class:`~minillm.attention.torch_sdpa.TorchSDPAAttention`; ``"triton"``: the chapter-3 kernels through
+   :class:`~minillm.attention.paged.PagedAttention`);
+4. computes logits only for the requests whose scheduled tokens reach the end of what they have (a request still
+   mid-prefill has nothing to predict yet), samples them all in one :class:`~minillm.sample.sampler.Sampler` call and
+   appends each sampled token to its request.
+
+vLLM counterpart: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``: ``_update_states``,
+``_prepare_inputs``, ``execute_model``) with ``vllm/v1/worker/gpu_input_batch.py`` (``CachedRequestState``,
+``InputBatch``) and ``vllm/v1/worker/block_table.py``. vLLM keeps the batch in persistent pinned buffers updated in
+place, computes the logits of every request (and rewinds the generators of the mid-prefill ones), and adds CUDA
+graphs, ``torch.compile``, speculative decoding, LoRA, multimodal inputs and pipeline/tensor parallelism.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minillm.attention.metadata import AttentionMetadata
+from minillm.attention.paged import BACKENDS, PagedAttention, allocate_kv_caches
+from minillm.attention.torch_sdpa import TorchSDPAAttention
+from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from minillm.model.llama import LlamaForCausalLM
+from minillm.sample.metadata import SamplingMetadata, make_generator
+from minillm.sample.sampler import Sampler
+from minillm.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's copy of one request.
+
+    Attributes:
+        token_ids: prompt then outputs, every token the runner knows (it appends the tokens it samples).
+        block_ids: the request's KV blocks in token order (its ``block_table`` row).
+        num_computed_tokens: tokens whose K/V are in those blocks before this step.
+        generator: the request's own random generator when it has a ``seed``. Kept across preemptions, so a seeded
+            request draws the same tokens whether it was preempted or not.
+    """
+
+    req_id: str
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class BatchInputs:
+    """The flat batch of one step (all tensors on the model's device).
+
+    Attributes:
+        req_ids: the scheduled requests, in batch order (request ``i`` owns rows ``query_start_loc[i] :
+            query_start_loc[i+1]``).
+        input_ids: ``[num_tokens]`` int64 token ids.
+        positions: ``[num_tokens]`` int64 absolute positions (``num_computed_tokens + j`` for the ``j``-th new token).
+        attn_metadata: ``query_start_loc`` ``[num_reqs + 1]``, ``seq_lens`` ``[num_reqs]``, ``block_table``
+            ``[num_reqs, max_num_blocks]``, ``slot_mapping`` ``[num_tokens]``.
+        logits_indices: ``[num_reqs]`` int64, the last row of each request (``query_start_loc[1:] - 1``).
+        sample_mask: ``[num_reqs]`` bool, ``True`` where this step's tokens reach the end of the request's tokens, so
+            the logits at its ``logits_indices`` row predict a real new token.
+    """
+
+    req_ids: list[str]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_mask: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        return self.attn_metadata.query_start_loc
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.attn_metadata.seq_lens
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.attn_metadata.block_table
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.attn_metadata.slot_mapping
+
+
+class ModelRunner:
+    """Owns the paged KV cache and runs the model on scheduler outputs.
+
+    Args:
+        model: the model (:class:`~minillm.model.llama.LlamaForCausalLM`).
+        num_blocks: KV cache blocks, the null block 0 included (the scheduler's ``num_gpu_blocks``).
+        block_size: tokens per block.
+        attention_backend: ``"torch"`` or ``"triton"``.
+        kv_cache_dtype: the cache's dtype (default: the model's).
+        eos_token_id: the EOS id that ``min_tokens`` blocks (default: the model config's).
+
+    Attributes:
+        kv_caches: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads,
+            head_dim]``.
+        last_inputs: the :class:`BatchInputs` of the latest step (for inspection and teaching).
+        last_step_seconds: wall time of the latest :meth:`execute_model`.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch",
+                 kv_cache_dtype: torch.dtype | None = None, eos_token_id: int | None = None) -> None:
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.attention_backend = attention_backend
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_id = model.config.eos_token_id if eos_token_id is None else eos_token_id
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_cache_dtype or model.dtype,
+                                            self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.last_inputs: BatchInputs | None = None
+        self.last_step_seconds = 0.0
+        # Persistent host buffer for the block table, grown as needed (vLLM keeps a persistent one too).
+        self._block_table_np = np.zeros((16, 16), dtype=np.int32)
+
+    # -- 1. requests ----------------------------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            gen = None
+            if isinstance(params, SamplingParams) and params.sampling_type == SamplingType.RANDOM_SEED:
+                gen = make_generator(params.seed, self.device)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, len(new.prompt_token_ids), params, list(new.prompt_token_ids), list(new.block_ids),
+                new.num_computed_tokens, gen)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self.requests[rid]
+            if rid in cached.all_token_ids:
+                state.token_ids = list(cached.all_token_ids[rid])
+            if rid in cached.resumed_req_ids:
+                state.block_ids = list(cached.new_block_ids[i])  # its old blocks were freed: a whole new list
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    # -- 2. the flat batch ----------------------------------------------------------------------------------------
+    def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[rid] for rid in req_ids]
+        num_reqs = len(states)
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+        cu = np.cumsum(num_sched)
+        total = int(cu[-1])
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        query_start_loc[1:] = cu
+
+        # Token j of the batch belongs to request req_idx[j]; its position is that request's context + offset.
+        req_idx = np.repeat(np.arange(num_reqs), num_sched)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu - num_sched - num_computed, num_sched)
+        input_ids = np.empty(total, dtype=np.int64)
+        for i, s in enumerate(states):
+            c, n = int(num_computed[i]), int(num_sched[i])
+            if c + n > len(s.token_ids):
+                raise RuntimeError(f"request {s.req_id!r}: scheduled tokens {c}..{c + n} but the runner knows only "
+                                   f"{len(s.token_ids)} tokens")
+            input_ids[query_start_loc[i]:query_start_loc[i] + n] = s.token_ids[c:c + n]
+
+        max_blocks = max(len(s.block_ids) for s in states)
+        if self._block_table_np.shape[0] < num_reqs or self._block_table_np.shape[1] < max_blocks:
+            self._block_table_np = np.zeros((max(num_reqs, self._block_table_np.shape[0]),
+                                             max(max_blocks, self._block_table_np.shape[1])), dtype=np.int32)
+        block_table = self._block_table_np[:num_reqs, :max_blocks]
+        block_table.fill(0)  # the null block pads short rows
+        for i, s in enumerate(states):
+            block_table[i, :len(s.block_ids)] = s.block_ids
+        slot_mapping = (block_table[req_idx, positions // self.block_size].astype(np.int64) * self.block_size
+                        + positions % self.block_size)
+        seq_lens = (num_computed + num_sched).astype(np.int32)
+        sample_mask = seq_lens == np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_reqs)
+
+        dev = self.device
+        md = AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_table=torch.from_numpy(block_table.copy()).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return BatchInputs(req_ids, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
+                           torch.from_numpy(cu - 1).to(dev), sample_mask)
+
+    def make_attention(self, md: AttentionMetadata):
+        """The :class:`~minillm.attention.backend.AttentionImpl` of one step, for the configured backend."""
+        if self.attention_backend == "torch":
+            return TorchSDPAAttention(self.kv_caches, md)
+        return PagedAttention(self.kv_caches, md, backend="triton")
+
+    # -- 3 + 4. model and sampler ---------------------------------------------------------------------------------
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = [s.sampling_params for s in states]
+        need_history = any(p.has_penalties or p.min_tokens > 0 for p in params)
+        return SamplingMetadata.from_params(
+            params,
+            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states] if need_history else None,
+            output_token_ids=[s.output_token_ids for s in states] if need_history else None,
+            eos_token_id=self.eos_token_id,
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            device=self.device)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Returns one row per scheduled request: ``[token]`` if it sampled one, ``[]`` if it is still
+        mid-prefill."""
+        start = time.perf_counter()
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], {}, [])
+        inputs = self._prepare_inputs(scheduler_output)
+        self.last_inputs = inputs
+        hidden = self.model(inputs.input_ids, inputs.positions, attn=self.make_attention(inputs.attn_metadata))
+
+        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+        rows = np.nonzero(inputs.sample_mask)[0]
+        logprobs: dict[str, list[dict[int, float]]] | None = None
+        if len(rows):
+            row_idx = torch.from_numpy(rows).to(self.device)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices[row_idx]])
+            states = [self.requests[inputs.req_ids[r]] for r in rows]
+            out = self.sampler(logits, self._sampling_metadata(states))
+            tokens = out.sampled_token_ids[:, 0].tolist()
+            for r, s, t in zip(rows, states, tokens):
+                s.token_ids.append(t)
+                sampled[r] = [t]
+            if out.logprobs_tensors is not None:
+                ids, lps, _ = out.logprobs_tensors.tolists()
+                logprobs = {}
+                for k, s in enumerate(states):
+                    n = s.sampling_params.logprobs
+                    if n is not None:
+                        logprobs[s.req_id] = [dict(zip(ids[k][:n + 1], lps[k][:n + 1]))]
+        for rid, seq_len in zip(inputs.req_ids, inputs.attn_metadata.seq_lens.tolist()):
+            self.requests[rid].num_computed_tokens = seq_len
+        self.last_step_seconds = time.perf_counter() - start
+        return ModelRunnerOutput(inputs.req_ids, {rid: i for i, rid in enumerate(inputs.req_ids)}, sampled, logprobs)
+
+    def remove_requests(self, request_ids) -> None:
+        """Drop the runner's state of these requests (the engine calls it as soon as they finish)."""
+        for rid in request_ids:
+            self.requests.pop(rid, None)

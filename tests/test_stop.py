@@ -162,6 +162,11 @@ def test_stop_string_with_the_real_tokenizer(tokenizer):
     text = "The answer is: Paris.\n\nQuestion: next"
     ids = tokenizer.encode(text)
     det = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["\n\nQuestion"]))
-    reasons = [det.update([t]) for t in ids]
-    assert "\n\nQuestion" in reasons and det.output_text == "The answer is: Paris."
+    steps = 0
+    for t in ids:
+        steps += 1
+        if det.update([t]) is not None:
+            break
+    assert det.stop_reason == "\n\nQuestion" and det.output_text == "The answer is: Paris."
+    assert steps == len(tokenizer.encode("The answer is: Paris.\n\nQuestion"))  # found on the token completing it
     assert len(tokenizer.encode("\n\nQuestion")) > 1  # the stop string spans more than one token

@@ -74,8 +74,9 @@ class IncrementalDetokenizer:
 
         Args:
             new_token_ids: the tokens appended to the request this step (several with speculative decoding).
-            stop_terminated: ``check_stop`` already finished the request on its last token (EOS or a stop id);
-                that token's text is left out, unless ``include_stop_str_in_output``.
+            stop_terminated: ``check_stop`` finished the request with ``FINISHED_STOPPED`` on its last token (EOS
+                or a stop id); that token's text is left out, unless ``include_stop_str_in_output``. Pass ``False``
+                for a length cap (``FINISHED_LENGTH_CAPPED``): the last token is ordinary text then.
         """
         if self.stop_reason is not None:
             raise ValueError("this request already stopped on a stop string; it gets no more tokens")

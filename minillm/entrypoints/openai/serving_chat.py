@@ -1,0 +1,115 @@
+"""``POST /v1/chat/completions``: answer a conversation, all at once or streamed as server-sent events.
+
+The messages are rendered with the model's own chat template (read from the GGUF file), ending with the
+assistant's header, and the token ids go to the engine. The output limit is ``max_completion_tokens`` if given,
+else the deprecated ``max_tokens``, else whatever room the context has left (``max_model_len - prompt_len``):
+only generated tokens count, never the prompt (learner question Q5).
+
+A streamed answer is: a first chunk with ``delta = {"role": "assistant", "content": ""}``, one chunk per step that
+produced text (``delta = {"content": "..."}``), a last chunk with ``finish_reason``, optionally a usage chunk
+(``stream_options = {"include_usage": true}``), then ``data: [DONE]``.
+
+vLLM counterpart: ``vllm/entrypoints/openai/serving_chat.py`` (``OpenAIServingChat.create_chat_completion``,
+``chat_completion_stream_generator``, ``chat_completion_full_generator``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from minillm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                                  ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+                                                  ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
+                                                  random_uuid)
+from minillm.entrypoints.openai.serving_completion import sse, usage_of
+from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, error_body,
+                                                        reject_unsupported)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handles the Chat Completions API for one served model."""
+
+    def prompt_token_ids(self, request: ChatCompletionRequest) -> list[int]:
+        """The conversation rendered with the chat template, as token ids."""
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                                     tokenize=True)
+        except Exception as e:  # noqa: BLE001 - a template may raise anything on a conversation it rejects
+            raise OpenAIRequestError(f"The chat template cannot render these messages: {e}",
+                                     param="messages") from e
+        if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest
+                                     ) -> ChatCompletionResponse | AsyncIterator[str] | None:
+        """Validate, submit, and answer: the whole response, or (``stream``) an async iterator of SSE events.
+
+        ``None`` means the request ended without an answer (it was aborted). Refusals raise
+        :class:`~minillm.entrypoints.openai.serving_engine.OpenAIRequestError`.
+        """
+        self.check_model(request)
+        reject_unsupported(request, {"logprobs": False, "top_logprobs": None, "logit_bias": {}, "tools": [],
+                                     "response_format": {"type": "text"}})
+        ids = self.prompt_token_ids(request)
+        self.check_prompt_len(len(ids), "messages")
+        params = self.to_sampling_params(request, len(ids), api="chat")
+        request_id = f"chatcmpl-{random_uuid()}"
+        collector = await self.add_request(request_id, ids, params, request.priority or 0, "messages")
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return self.chat_completion_stream_generator(collector, len(ids), include_usage)
+        return await self.chat_completion_full_generator(collector, len(ids))
+
+    async def chat_completion_full_generator(self, collector: Any,
+                                             prompt_len: int) -> ChatCompletionResponse | None:
+        """Wait for the final output; ``None`` if the request ended without one (aborted)."""
+        final = None
+        async for out in self.engine_client.stream_outputs(collector):
+            final = out
+        if final is None:
+            return None
+        o = final.outputs[0]
+        return ChatCompletionResponse(
+            id=collector.request_id, model=self.served_model_name,
+            choices=[ChatCompletionResponseChoice(index=0, message=ChatMessage(role="assistant", content=o.text),
+                                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
+            usage=usage_of(prompt_len, len(o.token_ids)))
+
+    async def chat_completion_stream_generator(self, collector: Any, prompt_len: int,
+                                               include_usage: bool) -> AsyncIterator[str]:
+        """The role chunk, one content chunk per step with text, the finish chunk, [usage], ``[DONE]``.
+
+        A client that goes away cancels this generator; ``stream_outputs`` then aborts the request.
+        """
+        created = int(time.time())
+
+        def chunk(delta: DeltaMessage, finish_reason: str | None = None, stop_reason: Any = None) -> str:
+            choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish_reason,
+                                                        stop_reason=stop_reason)
+            body = ChatCompletionStreamResponse(id=collector.request_id, created=created,
+                                                model=self.served_model_name, choices=[choice]).model_dump()
+            # OpenAI's deltas carry only what is new: no "role": null after the first chunk.
+            body["choices"][0]["delta"] = {k: v for k, v in body["choices"][0]["delta"].items() if v is not None}
+            return sse(json.dumps(body))
+
+        num_tokens = 0
+        try:
+            yield chunk(DeltaMessage(role="assistant", content=""))
+            async for out in self.engine_client.stream_outputs(collector):
+                o = out.outputs[0]
+                num_tokens = len(o.token_ids)
+                if out.finished:
+                    delta = DeltaMessage(content=o.delta_text) if o.delta_text else DeltaMessage()
+                    yield chunk(delta, o.finish_reason, o.stop_reason)
+                elif o.delta_text:
+                    yield chunk(DeltaMessage(content=o.delta_text))
+            if include_usage:
+                yield sse(ChatCompletionStreamResponse(id=collector.request_id, created=created,
+                                                       model=self.served_model_name, choices=[],
+                                                       usage=usage_of(prompt_len, num_tokens)).model_dump_json())
+        except Exception as e:  # noqa: BLE001 - the status line is sent already; report inside the stream
+            yield sse(json.dumps(error_body(f"{type(e).__name__}: {e}", "internal_error", code="internal_error")))
+        yield sse("[DONE]")

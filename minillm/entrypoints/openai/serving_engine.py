@@ -1,0 +1,156 @@
+"""What the chat and completions endpoints share: parsing and checking a body, error answers, the length rule.
+
+Every refusal is an :class:`OpenAIRequestError` raised anywhere below the endpoint and turned into OpenAI's error
+body by :meth:`OpenAIServing.create_error_response` (HTTP 400 unless said otherwise):
+
+* a body that is not JSON, or not an object -> ``code="invalid_json"`` / ``"invalid_type"``;
+* a field of the wrong type (``"temperature": "hot"``) -> ``code="invalid_type"``, ``param`` = the field;
+* a value out of range (``temperature=-1``, ``top_p=1.5``, ``n=2``) -> ``code="invalid_value"``, the message is
+  :class:`~minillm.sampling_params.SamplingParams`' own;
+* a prompt with no room left for an answer -> ``code="context_length_exceeded"`` (OpenAI's code for it);
+* a ``model`` other than the one served -> 404, ``code="model_not_found"``.
+
+vLLM counterpart: ``vllm/entrypoints/openai/serving_engine.py`` (``OpenAIServing``, ``create_error_response``,
+``_check_model``, ``_validate_input``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from minillm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel
+from minillm.entrypoints.openai.sampling import to_sampling_params
+from minillm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=OpenAIBaseModel)
+
+# SamplingParams' messages start with the field's name ("top_p must be in (0, 1], got 1.5"): that is the param.
+_KNOWN_PARAMS = {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens",
+                 "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "include_stop_str_in_output", "n",
+                 "prompt", "messages", "priority"}
+
+
+class OpenAIRequestError(Exception):
+    """A request the server refuses, with everything OpenAI's error body needs."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = "invalid_value",
+                 status_code: int = HTTPStatus.BAD_REQUEST, err_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status_code = int(status_code)
+        self.err_type = err_type
+
+
+def error_body(message: str, err_type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}`` as a plain dict."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code)).model_dump()
+
+
+def parse_request(model_cls: type[T], raw: bytes) -> T:
+    """Validate a raw JSON body against a request model; the first problem becomes an :class:`OpenAIRequestError`."""
+    try:
+        request = model_cls.model_validate_json(raw)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        if errors[0]["type"] == "json_invalid":
+            raise OpenAIRequestError(f"The request body is not valid JSON: {errors[0]['msg']}", code="invalid_json")
+        if not errors[0]["loc"]:
+            raise OpenAIRequestError("The request body must be a JSON object", code="invalid_type")
+        # A union field (``stop: str | list[str]``) fails once per branch; the deepest failure says the most
+        # ("stop.0 should be a string" rather than "stop should be a string").
+        err = max(errors, key=lambda x: len(x["loc"]))
+        # Drop the branch labels pydantic puts in the location ("stop.list[str].0" -> "stop.0").
+        path = ".".join(str(x) for x in err["loc"] if not any(c in str(x) for c in "[]|")
+                        and x not in ("str", "int", "float", "bool"))
+        param = str(err["loc"][0])
+        if err["type"] == "missing":
+            raise OpenAIRequestError(f"Missing required parameter: '{path}'", param=param,
+                                     code="missing_required_parameter")
+        given = err.get("input")
+        shown = type(given).__name__ if isinstance(given, (dict, list)) else json.dumps(given)[:80]
+        is_type = err["type"].endswith("_type") or err["type"] in ("union_tag_invalid", "literal_error")
+        raise OpenAIRequestError(f"Invalid {'type' if is_type else 'value'} for '{path}': {err['msg'].lower()}, "
+                                 f"got {shown}", param=param, code="invalid_type" if is_type else "invalid_value")
+    if request.model_extra:
+        logger.warning("ignoring unknown request fields: %s", sorted(request.model_extra))
+    return request
+
+
+def param_of(message: str) -> str | None:
+    """The request field a ValueError message is about (its first word), if it is one."""
+    first = message.split(" ", 1)[0].strip(":,'\"")
+    return first if first in _KNOWN_PARAMS else None
+
+
+def reject_unsupported(request: OpenAIBaseModel, checks: dict[str, Any]) -> None:
+    """Refuse OpenAI fields this server cannot honour, rather than silently ignoring them.
+
+    ``checks`` maps a field name to the value that means "not used" (``None`` always means not used too).
+    """
+    for name, neutral in checks.items():
+        value = getattr(request, name)
+        if value is None or value == neutral:
+            continue
+        raise OpenAIRequestError(f"{name}={value!r} is not supported by minillm's server", param=name,
+                                 code="unsupported_parameter")
+
+
+class OpenAIServing:
+    """Base of the chat and completions handlers: the engine client, the model's name and the shared checks.
+
+    Args:
+        engine_client: an :class:`~minillm.engine.async_llm.AsyncLLM`.
+        served_model_name: the ``id`` in ``/v1/models`` and the ``model`` of every response.
+    """
+
+    def __init__(self, engine_client: Any, served_model_name: str) -> None:
+        self.engine_client = engine_client
+        self.served_model_name = served_model_name
+        self.tokenizer = engine_client.tokenizer
+        self.max_model_len: int = engine_client.max_model_len
+
+    @staticmethod
+    def create_error_response(err: OpenAIRequestError) -> JSONResponse:
+        return JSONResponse(error_body(err.message, err.err_type, err.param, err.code), status_code=err.status_code)
+
+    def check_model(self, request: Any) -> None:
+        if request.model is not None and request.model != self.served_model_name:
+            raise OpenAIRequestError(f"The model `{request.model}` does not exist. This server serves "
+                                     f"`{self.served_model_name}`.", param="model", code="model_not_found",
+                                     status_code=HTTPStatus.NOT_FOUND)
+
+    def check_prompt_len(self, prompt_len: int, param: str) -> None:
+        if prompt_len == 0:
+            raise OpenAIRequestError("The prompt is empty; give at least one token", param=param)
+        if prompt_len >= self.max_model_len:
+            raise OpenAIRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length of the "
+                f"prompt.", param=param, code="context_length_exceeded")
+
+    def to_sampling_params(self, request: OpenAIBaseModel, prompt_len: int, api: str) -> SamplingParams:
+        """The request's :class:`SamplingParams` (``max_tokens`` resolved); ValueErrors become 400s."""
+        body = request.model_dump(exclude_unset=True)
+        try:
+            return to_sampling_params(body, prompt_len, self.max_model_len, api=api)
+        except ValueError as e:
+            raise OpenAIRequestError(str(e), param=param_of(str(e))) from e
+
+    async def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                          priority: int, param: str) -> Any:
+        """Hand the request to the engine; its refusals (e.g. a token id outside the vocabulary) become 400s."""
+        try:
+            return await self.engine_client.add_request(request_id, prompt_ids, params, priority=priority)
+        except ValueError as e:
+            raise OpenAIRequestError(str(e), param=param_of(str(e)) or param) from e

@@ -1,0 +1,317 @@
+"""The OpenAI-compatible server on the real model, called with the real ``openai`` client.
+
+One server per module: ``python -m minillm.entrypoints.openai.api_server`` on a free loopback port, SmolLM2 with
+``max_model_len=512``. Every generation is greedy and short. Checked: models, completions, chat ("Paris"),
+streaming (deltas joined == the non-streamed text), 16 concurrent streaming clients (each equal to its own
+non-streamed answer, and batched together), ``max_completion_tokens`` vs ``max_tokens`` vs the room left, usage
+counts, clients that hang up (request aborted, every KV block back, seen on ``GET /debug/kv_cache``) and the 400
+cases with OpenAI's error body.
+"""
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 512
+QUESTION = "What is the capital of France?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """``(base_url, model_name)`` of a server running in a subprocess for this module."""
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "minillm.entrypoints.openai.api_server", "--port", str(port),
+           "--max-model-len", str(MAX_MODEL_LEN), "--uvicorn-log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up within 300 s"
+            time.sleep(0.25)
+        name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        yield base, name
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def kv_stats(server) -> dict:
+    return httpx.get(server[0] + "/debug/kv_cache").json()
+
+
+def wait_idle(server, timeout: float = 60.0) -> dict:
+    """Poll until the engine holds no request; return the stats then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = kv_stats(server)
+        if stats["num_unfinished_requests"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the engine still holds requests: {stats}"
+        time.sleep(0.05)
+
+
+def test_models_lists_the_served_model(server):
+    body = httpx.get(server[0] + "/v1/models").json()
+    assert body["object"] == "list" and len(body["data"]) == 1
+    card = body["data"][0]
+    assert card["id"] == server[1] and card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_chat_answers_paris(server, client):
+    r = client.chat.completions.create(model=server[1], messages=[{"role": "user", "content": QUESTION}],
+                                       temperature=0, max_completion_tokens=16)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == server[1]
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and "Paris" in choice.message.content, choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 10 and 1 <= u.completion_tokens <= 16  # the chat template adds a system prompt
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def test_completion_text_and_usage(server, client):
+    r = client.completions.create(model=server[1], prompt="The capital of France is", temperature=0, max_tokens=4)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text.startswith(" Paris"), r.choices[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 4 and r.usage.total_tokens == r.usage.prompt_tokens + 4
+    # A prompt given as token ids is counted exactly.
+    ids = [504, 3575, 282, 4649, 314]
+    r = client.completions.create(model=server[1], prompt=ids, temperature=0, max_tokens=2)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 2
+
+
+def test_stop_string_and_seed(server, client):
+    r = client.completions.create(model=server[1], prompt="The capital of France is", temperature=0,
+                                  max_tokens=8, stop=["."])
+    assert r.choices[0].finish_reason == "stop" and "." not in r.choices[0].text
+    kw = dict(model=server[1], prompt="Once upon a time", temperature=1.0, top_p=0.9, max_tokens=6, seed=1234)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def _stream_text(stream) -> tuple[str, str | None, list]:
+    text, finish, chunks = "", None, []
+    for chunk in stream:
+        chunks.append(chunk)
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if hasattr(choice, "delta") else choice.text
+            finish = choice.finish_reason or finish
+    return text, finish, chunks
+
+
+def test_streaming_equals_the_non_streamed_answer(server, client):
+    kw = dict(model=server[1], messages=[{"role": "user", "content": QUESTION}], temperature=0,
+              max_completion_tokens=12)
+    full = client.chat.completions.create(**kw)
+    text, finish, chunks = _stream_text(client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}))
+    assert text == full.choices[0].message.content and finish == full.choices[0].finish_reason
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+    kw = dict(model=server[1], prompt="The three primary colours are", temperature=0, max_tokens=10)
+    full = client.completions.create(**kw)
+    text, finish, _ = _stream_text(client.completions.create(**kw, stream=True))
+    assert text == full.choices[0].text and finish == full.choices[0].finish_reason == "length"
+
+
+def test_the_stream_ends_with_done(server):
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: "):])
+    assert last["object"] == "text_completion" and last["choices"][0]["finish_reason"] == "length"
+
+
+COUNTRIES = ["France", "Germany", "Italy", "Spain", "Japan", "Canada", "Egypt", "Brazil",
+             "Kenya", "Norway", "Peru", "India", "Greece", "Chile", "Poland", "Vietnam"]
+
+
+def test_16_concurrent_streaming_clients(server):
+    """Each of 16 simultaneous streams equals its own non-streamed greedy answer, and they ran batched."""
+    aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
+    max_tokens = 8
+
+    def kw(country):
+        return dict(model=server[1], prompt=f"The capital of {country} is", temperature=0, max_tokens=max_tokens)
+
+    async def full(country):
+        return (await aclient.completions.create(**kw(country))).choices[0].text
+
+    async def streamed(country):
+        text = ""
+        async for chunk in await aclient.completions.create(**kw(country), stream=True):
+            text += "".join(c.text for c in chunk.choices)
+        return text
+
+    async def main():
+        expected = await asyncio.gather(*(full(c) for c in COUNTRIES))
+        before = kv_stats(server)
+        got = await asyncio.gather(*(streamed(c) for c in COUNTRIES))
+        await aclient.close()
+        return expected, got, before
+
+    expected, got, before = asyncio.run(main())
+    assert got == expected
+    after = wait_idle(server)
+    assert after["num_finished"] - before["num_finished"] == len(COUNTRIES)
+    # Batched: far fewer engine steps than one per token per request.
+    assert after["num_steps"] - before["num_steps"] < len(COUNTRIES) * max_tokens / 2
+    assert after["num_free_blocks"] == after["num_blocks"] - 1
+
+
+def test_max_completion_tokens_wins_over_max_tokens(server, client):
+    messages = [{"role": "user", "content": "Count from one to one hundred in words."}]
+    base = dict(model=server[1], messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    both = client.chat.completions.create(**base, max_tokens=2, max_completion_tokens=5)
+    assert both.usage.completion_tokens == 5 and both.choices[0].finish_reason == "length"
+    only_old = client.chat.completions.create(**base, max_tokens=3)
+    assert only_old.usage.completion_tokens == 3
+    # The legacy Completions API has only max_tokens, 16 by default; max_completion_tokens is refused there.
+    r = client.completions.create(model=server[1], prompt="One, two, three,", temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server[1], prompt="One", extra_body={"max_completion_tokens": 3})
+    assert "max_completion_tokens" in e.value.message
+
+
+def test_without_a_limit_a_chat_answer_may_fill_the_context(server, client):
+    """Neither limit given: the answer may use what the prompt leaves of max_model_len (and no more)."""
+    def ask(words, **extra):
+        return client.chat.completions.create(model=server[1], temperature=0, extra_body={"ignore_eos": True},
+                                              messages=[{"role": "user", "content": "hello " * words}], **extra)
+
+    probe = ask(400, max_completion_tokens=1).usage.prompt_tokens
+    words = 400 + (MAX_MODEL_LEN - 6) - probe  # aim for 6 tokens of room ("hello" is one token after a space)
+    r = ask(words)
+    room = MAX_MODEL_LEN - r.usage.prompt_tokens
+    assert 1 <= room <= 12, room
+    assert r.usage.completion_tokens == room and r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == MAX_MODEL_LEN
+
+
+def test_a_streaming_client_that_hangs_up_is_aborted_and_its_blocks_freed(server):
+    before = wait_idle(server)
+    body = {"model": server[1], "prompt": "Count to one thousand: one, two,", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=120) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks == 3:
+                break
+        held = kv_stats(server)
+        assert held["num_unfinished_requests"] == 1 and held["num_free_blocks"] < held["num_blocks"] - 1
+    # Leaving the block closed the connection.
+    deadline = time.monotonic() + 60
+    while (s := kv_stats(server))["num_aborted"] == before["num_aborted"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+    after = wait_idle(server)
+    assert after["num_aborted"] == before["num_aborted"] + 1 and after["num_finished"] == before["num_finished"]
+    assert after["num_free_blocks"] == after["num_blocks"] - 1 and after["kv_cache_usage"] == 0.0
+
+
+def test_a_waiting_client_that_hangs_up_is_aborted_too(server):
+    before = wait_idle(server)
+    body = {"model": server[1], "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_completion_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=1.5))
+    deadline = time.monotonic() + 60
+    while (s := kv_stats(server))["num_aborted"] == before["num_aborted"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+    after = wait_idle(server)
+    assert after["num_finished"] == before["num_finished"]
+    assert after["num_free_blocks"] == after["num_blocks"] - 1
+
+
+BAD_REQUESTS = [
+    # (route, raw body, param, code)
+    ("completions", '{"prompt": "Hello", "max_tokens": 2,', None, "invalid_json"),
+    ("chat/completions", "[1, 2]", None, "invalid_type"),
+    ("completions", {"prompt": "Hello", "temperature": "hot"}, "temperature", "invalid_type"),
+    ("completions", {"prompt": "Hello", "max_tokens": 1.5}, "max_tokens", "invalid_type"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages", "invalid_type"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream", "invalid_type"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [1]}, "stop", "invalid_type"),
+    ("completions", {"max_tokens": 2}, "prompt", "missing_required_parameter"),
+    ("chat/completions", {"messages": []}, "messages", "invalid_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}, "temperature",
+     "invalid_value"),
+    ("completions", {"prompt": "Hello", "top_p": 1.5}, "top_p", "invalid_value"),
+    ("completions", {"prompt": "Hello", "top_p": 0}, "top_p", "invalid_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", "invalid_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens", "invalid_value"),
+    ("completions", {"prompt": [999999]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": ""}, "prompt", "invalid_value"),
+    ("completions", {"prompt": "Hello", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+    ("completions", {"prompt": "hello " * 600}, "prompt", "context_length_exceeded"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hello " * 600}]}, "messages",
+     "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("route,body,param,code", BAD_REQUESTS,
+                         ids=[f"{r}-{c}-{p}-{i}" for i, (r, _, p, c) in enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_a_400_with_an_openai_error_body(server, route, body, param, code):
+    before = kv_stats(server)["num_requests_total"]
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server[0]}/v1/{route}", content=content, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] == code, error
+    assert isinstance(error["message"], str) and len(error["message"]) > 10
+    assert kv_stats(server)["num_requests_total"] == before  # refused: nothing was queued in the engine
+
+
+def test_the_openai_client_sees_the_error_fields(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server[1], messages=[{"role": "user", "content": "hello " * 600}])
+    assert e.value.status_code == 400 and e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in e.value.message
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="Hello", max_tokens=1)
+    assert e.value.code == "model_not_found"

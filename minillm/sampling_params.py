@@ -26,7 +26,7 @@ class SamplingType(enum.IntEnum):
 
 def _is_int(x: object) -> bool:
     # bool is an int subclass; `max_tokens=True` is a bug, not 1.
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_number(x: object) -> bool:

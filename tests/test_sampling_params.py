@@ -63,6 +63,12 @@ def test_min_tokens_above_max_tokens():
     assert SamplingParams(min_tokens=100, max_tokens=None).min_tokens == 100
 
 
+def test_numpy_scalars_are_accepted():
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(top_k=np.int64(5), temperature=np.float32(0.5), max_tokens=np.int32(8))
+    assert p.top_k == 5 and p.max_tokens == 8
+
+
 def test_boundaries_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, min_p=1.0, top_k=1, presence_penalty=-2.0, frequency_penalty=2.0,
                    logprobs=0, max_tokens=1, repetition_penalty=1e-3)

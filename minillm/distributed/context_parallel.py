@@ -6,6 +6,13 @@ model on them. The only place a token needs another rank's tokens is attention, 
 (:mod:`minillm.distributed.comm`) and applies the causal rule by *absolute* position. Embedding, norms, projections,
 RoPE (positions are passed explicitly) and the MLP are per token and need nothing from anyone.
 
+:class:`~minillm.distributed.launcher.ContextParallelExecutor` starts the processes for you. Under ``torchrun`` (one
+process per rank, ``MASTER_ADDR``/``MASTER_PORT`` set for you) the same code runs as::
+
+    dist.init_process_group("gloo")
+    split = make_split(len(ids), dist.get_world_size(), "zigzag")
+    out = context_parallel_forward(model, ids, split, dist.group.WORLD, strategy="ring")
+
 vLLM counterparts: ``prefill_context_parallel_size`` in ``ParallelConfig`` (``vllm/config/parallel.py``), the group
 ``get_pcp_group()`` (``vllm/distributed/parallel_state.py``), token partitioning in ``vllm/v1/worker/cp_utils.py``,
 and the attention backends that support it (``supports_pcp``). Ring attention: Liu et al., "Ring Attention with

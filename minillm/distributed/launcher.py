@@ -17,6 +17,7 @@ import io
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -116,7 +117,11 @@ def _worker_main(rank: int, world_size: int, init_file: str, model_files: dict[s
         # Several ranks share few cores: one thread each keeps them from fighting and makes per-rank CPU time
         # meaningful.
         torch.set_num_threads(1)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # Keep gloo on the loopback interface (a laptop's hostname may resolve to an unreachable address).
+        if sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        elif sys.platform == "darwin":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0")
         # Joining waits for the slowest rank to start; each job's collectives get the job's own, shorter timeout.
         timeout = timedelta(seconds=start_timeout_s)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -198,6 +203,11 @@ class ContextParallelExecutor:
             self.close()
             raise
 
+    @property
+    def alive_ranks(self) -> list[int]:
+        """Ranks whose worker process is still running (empty after :meth:`close`)."""
+        return [r for r, p in enumerate(self._procs) if p.is_alive()]
+
     def __enter__(self) -> "ContextParallelExecutor":
         return self
 
@@ -241,9 +251,14 @@ class ContextParallelExecutor:
                "strategy": strategy, "split": split, "timeout_s": timeout_s, "fail_rank": fail_rank,
                "fail_at_layer": fail_at_layer, "fail_mode": fail_mode}
         t0 = time.perf_counter()
-        for r in range(world_size):
-            self._jobs[r].put(job)
-        outs = self._collect("result", world_size, timeout_s + 30.0)
+        try:
+            for r in range(world_size):
+                self._jobs[r].put(job)
+            outs = self._collect("result", world_size, timeout_s + 30.0)
+        except BaseException:
+            # Interrupted (or failed) half-way: the workers may still be in the job; nothing can be reused.
+            self.close(graceful=False)
+            raise
         wall = time.perf_counter() - t0
         ranks = [RankPrefillOutput(**_from_bytes(outs[r])) for r in range(world_size)]
         return ContextParallelResult(the_split, strategy, ranks, wall)

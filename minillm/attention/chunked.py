@@ -198,7 +198,10 @@ class PrefillRecord:
         residual: per layer ``[num_tokens, hidden]``: the residual stream entering that layer.
         hidden: final normed hidden states ``[num_tokens, hidden]``; ``None`` if earlier chunks skipped them.
         last_hidden: ``[hidden]``, the final hidden state of the last token (the one whose logits are sampled).
-        kv_elements_read, visible_pairs, computed_pairs: counters of :class:`RecordingKVCache`, summed over chunks.
+        kv_elements_read, kv_bytes_read, visible_pairs, computed_pairs: counters of :class:`RecordingKVCache`,
+            summed over chunks.
+        cache: the KV cache the prompt left behind (``None`` for independent chunks, which have one each); decode
+            can continue from it with :func:`prefill_chunk`.
     """
 
     chunk_sizes: list[int]
@@ -208,8 +211,10 @@ class PrefillRecord:
     hidden: torch.Tensor | None
     last_hidden: torch.Tensor
     kv_elements_read: int = 0
+    kv_bytes_read: int = 0
     visible_pairs: int = 0
     computed_pairs: int = 0
+    cache: ContiguousKVCache | None = None
     bounds: list[tuple[int, int]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -218,6 +223,22 @@ class PrefillRecord:
     @property
     def num_layers(self) -> int:
         return len(self.keys)
+
+    def greedy_continuation(self, model: LlamaForCausalLM, max_new_tokens: int) -> list[int]:
+        """Decode ``max_new_tokens`` greedy tokens from this prefill's cache and last logits (the cache grows)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if self.cache is None:
+            raise ValueError("this prefill kept no single KV cache (independent chunks); nothing to decode from")
+        token = int(self.last_logits(model).argmax())
+        out = [token]
+        for _ in range(max_new_tokens - 1):
+            pos = torch.tensor([self.cache.num_tokens], device=model.device)
+            h = prefill_chunk(model, torch.tensor([token], device=model.device), pos, self.cache)
+            with torch.inference_mode():
+                token = int(model.compute_logits(h[-1:])[0].argmax())
+            out.append(token)
+        return out
 
     def last_logits(self, model: LlamaForCausalLM) -> torch.Tensor:
         """Logits ``[vocab]`` (fp32) at the last token: what the next token is sampled from."""
@@ -270,8 +291,10 @@ def _run(model: LlamaForCausalLM, input_ids: torch.Tensor | Sequence[int], chunk
         chunk_sizes=sizes, keys=keys, values=values, residual=residual, hidden=hidden,
         last_hidden=hiddens[-1][-1],  # type: ignore[index]
         kv_elements_read=sum(cc.kv_elements_read for cc in caches),
+        kv_bytes_read=sum(cc.kv_bytes_read for cc in caches),
         visible_pairs=sum(cc.visible_pairs for cc in caches),
         computed_pairs=sum(cc.computed_pairs for cc in caches),
+        cache=None if mode == "independent" else shared,
     )
 
 

@@ -7,6 +7,7 @@ be accepted) has its request aborted and its blocks freed; an engine failure rea
 shutdown ends the streams.
 """
 import asyncio
+import gc
 import threading
 import time
 
@@ -274,3 +275,24 @@ def test_shutdown_ends_open_streams(make_llm):
 
     with pytest.raises(EngineDeadError):
         asyncio.run(after())
+
+
+def test_a_stream_dropped_before_it_starts_aborts_its_request(make_llm):
+    """A client that hangs up after its request was queued but before its stream began: the server's stream
+    generator never runs, so only its finalizer can abort the request (serving_engine.abort_when_dropped)."""
+    from minillm.entrypoints.openai.protocol import CompletionRequest
+    from minillm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+    llm, engine = make_llm(step_delay=0.005)
+    serving = OpenAIServingCompletion(llm, "fake-model")
+
+    async def main():
+        request = CompletionRequest.model_validate({"prompt": [1, 2, 3], "max_tokens": 4000, "stream": True})
+        stream = await serving.create_completion(request)
+        await wait_for(lambda: llm.stats.num_unfinished_requests == 1)
+        del stream
+        gc.collect()
+        await wait_for(lambda: llm.stats.num_aborted == 1 and llm.stats.num_unfinished_requests == 0)
+
+    asyncio.run(main())
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks - 1

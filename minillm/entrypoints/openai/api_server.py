@@ -201,12 +201,35 @@ def _annotation_type(annotation: str) -> type:
     return str
 
 
+def _field_docs(cls: type) -> dict[str, str]:
+    """``name: text`` entries of a class docstring's ``Attributes:`` section, joined into one line each."""
+    docs: dict[str, str] = {}
+    current = None
+    in_section = False
+    for line in (cls.__doc__ or "").splitlines():
+        stripped = line.strip()
+        if stripped == "Attributes:":
+            in_section = True
+            continue
+        if not in_section or not stripped:
+            continue
+        head, sep, rest = stripped.partition(": ")
+        if sep and head.isidentifier() and line.startswith(" " * 8) and not line.startswith(" " * 12):
+            current = head
+            docs[current] = rest
+        elif current is not None:
+            docs[current] += " " + stripped
+    return {k: v.replace("``", "").replace("%", "%%") for k, v in docs.items()}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One ``--kebab-case`` option per :class:`~minillm.engine.arg_utils.EngineArgs` field (bools get
-    ``--x/--no-x``). Unset options stay ``None`` so that EngineArgs' own defaults apply."""
+    ``--x/--no-x``), with the field's documentation as help. Unset options stay ``None`` so that EngineArgs' own
+    defaults apply."""
     from minillm.engine.arg_utils import EngineArgs
 
-    group = parser.add_argument_group("engine arguments (see minillm.engine.arg_utils.EngineArgs)")
+    docs = _field_docs(EngineArgs)
+    group = parser.add_argument_group("engine arguments (minillm.engine.arg_utils.EngineArgs)")
     for f in dataclasses.fields(EngineArgs):
         if not f.init:
             continue
@@ -214,11 +237,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         typ = _annotation_type(annotation)
         default = f.default if f.default is not dataclasses.MISSING else None
+        doc = docs.get(f.name, "")
+        help_text = doc if "default" in doc.lower() or "None:" in doc else f"{doc} (default: {default})".strip()
         if typ is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=f"(default {default})")
+                               help=help_text)
         else:
-            group.add_argument(flag, dest=f.name, type=typ, default=None, help=f"(default {default})")
+            group.add_argument(flag, dest=f.name, type=typ, default=None, help=help_text)
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> Any:

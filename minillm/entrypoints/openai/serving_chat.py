@@ -23,8 +23,8 @@ from minillm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComp
                                                   ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
                                                   random_uuid)
 from minillm.entrypoints.openai.serving_completion import sse, usage_of
-from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, error_body,
-                                                        reject_unsupported)
+from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
+                                                        error_body, reject_unsupported)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -60,7 +60,8 @@ class OpenAIServingChat(OpenAIServing):
         collector = await self.add_request(request_id, ids, params, request.priority or 0, "messages")
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self.chat_completion_stream_generator(collector, len(ids), include_usage)
+            stream = self.chat_completion_stream_generator(collector, len(ids), include_usage)
+            return abort_when_dropped(stream, self.engine_client, collector)
         return await self.chat_completion_full_generator(collector, len(ids))
 
     async def chat_completion_full_generator(self, collector: Any,

@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator
 from minillm.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
                                                   CompletionResponseStreamChoice, CompletionStreamResponse,
                                                   UsageInfo, random_uuid)
-from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, error_body,
-                                                        reject_unsupported)
+from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
+                                                        error_body, reject_unsupported)
 
 
 def sse(data: str) -> str:
@@ -64,7 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
         collector = await self.add_request(request_id, ids, params, request.priority or 0, "prompt")
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self.completion_stream_generator(collector, len(ids), include_usage)
+            stream = self.completion_stream_generator(collector, len(ids), include_usage)
+            return abort_when_dropped(stream, self.engine_client, collector)
         return await self.completion_full_generator(collector, len(ids))
 
     async def completion_full_generator(self, collector: Any, prompt_len: int) -> CompletionResponse | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -104,6 +105,23 @@ def reject_unsupported(request: OpenAIBaseModel, checks: dict[str, Any]) -> None
             continue
         raise OpenAIRequestError(f"{name}={value!r} is not supported by minillm's server", param=name,
                                  code="unsupported_parameter")
+
+
+def _abort_unfinished(engine_client: Any, collector: Any) -> None:
+    if not collector.finished:
+        engine_client.abort(collector.request_id)
+
+
+def abort_when_dropped(stream: Any, engine_client: Any, collector: Any) -> Any:
+    """Make sure a streamed request is aborted if its stream is dropped before it finishes.
+
+    A stream that runs is covered by ``AsyncLLM.stream_outputs``' own ``finally``. But when a client hangs up
+    between the moment its request was queued and the moment Starlette starts iterating the stream, the
+    generator never starts, so no ``finally`` of it can run; this finalizer fires when the generator object is
+    garbage-collected and aborts the request if it had not finished. Returns ``stream``.
+    """
+    weakref.finalize(stream, _abort_unfinished, engine_client, collector)
+    return stream
 
 
 class OpenAIServing:

@@ -367,3 +367,22 @@ def test_scheduler_refuses_a_kv_cache_smaller_than_one_request_and_bad_requests(
         sched.add_request(req("A", 4))
     with pytest.raises(ValueError, match="no room for an output"):
         sched.add_request(req("long", 32))
+
+
+# -- the real model, through the simple runner ----------------------------------------------------------------------
+@pytest.mark.slow
+def test_simple_runner_on_the_real_model_matches_plain_greedy_generation(model, tokenizer):
+    """Chunked prefill (budget 8), two requests sharing steps, one arriving later and one preempted-free run: the
+    greedy tokens equal minillm.generate's, one prompt at a time. (Chunking changes the float summation order by
+    ~1e-6; these prompts' top-2 logit gaps are far larger, so the argmax cannot flip.)"""
+    import minillm
+    from minillm.core.sched.simple_runner import run_timed
+
+    prompts = [minillm.chat_prompt_ids(tokenizer, "What is the capital of France?"), [1, 504, 3458, 282]]
+    config = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=128)
+    run = run_timed(model, config, [("a", prompts[0], 5, 0), ("b", prompts[1], 5, 2)])
+    for rid, ids in zip("ab", prompts):
+        assert run.outputs[rid] == minillm.generate(model, ids, 5, eos_token_id=-1)
+    assert max(run.step_tokens) <= 8
+    assert run.first_token_step["a"] == -(-len(prompts[0]) // 8) - 1  # ceil(prompt / budget) steps of prefill
+    assert len(run.itl["a"]) == 4 and run.throughput > 0

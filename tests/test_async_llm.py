@@ -296,3 +296,27 @@ def test_a_stream_dropped_before_it_starts_aborts_its_request(make_llm):
 
     asyncio.run(main())
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks - 1
+
+
+def test_background_server_serves_a_fake_engine_and_stops_its_loop():
+    """BackgroundServer (for notebooks): port 0 picks a free port; stopping it stops the engine loop thread,
+    after which the engine may be used directly again."""
+    import httpx
+
+    from minillm.entrypoints.openai.api_server import BackgroundServer
+
+    engine = FakeEngine(step_delay=0.0)
+    with BackgroundServer(engine, served_model_name="fake-model") as server:
+        assert server.port != 0
+        llm = server.app.state.engine_client
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == "fake-model" and body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
+                                                                   "total_tokens": 5}
+        rid = body["id"]
+        assert body["choices"][0]["text"] == expected_text(rid, 3)
+        assert httpx.get(server.url + "/health").status_code == 200
+    assert not llm.is_running and engine.callers == {llm._thread.ident}
+    engine.add_request("direct", [1], SamplingParams(max_tokens=1))
+    assert engine.step()[0].finished

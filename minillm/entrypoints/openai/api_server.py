@@ -47,6 +47,8 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
+import time
 from dataclasses import asdict
 from http import HTTPStatus
 from pathlib import Path
@@ -110,10 +112,12 @@ def build_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
-        engine: an ``LLMEngine`` (wrapped in an :class:`AsyncLLM` whose thread the app stops at shutdown) or an
-            :class:`AsyncLLM` (left running: its owner shuts it down).
+        engine: an ``LLMEngine`` or an ``LLM`` (its engine is wrapped in an :class:`AsyncLLM` whose thread the app
+            stops at shutdown; the engine is usable again afterwards), or an :class:`AsyncLLM` (left running: its
+            owner shuts it down).
         served_model_name: the model's name in the API (default: the model file's name).
     """
+    engine = getattr(engine, "llm_engine", engine)  # an LLM: serve its engine
     owns_engine = not isinstance(engine, AsyncLLM)
     engine_client = AsyncLLM(engine) if owns_engine else engine
     if served_model_name is None:
@@ -191,6 +195,62 @@ def build_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
         return await _respond(raw_request, serving_chat.create_chat_completion(request))
 
     return app
+
+
+class BackgroundServer:
+    """The server in a background thread of this process, for notebooks and tests: no second model load.
+
+    Args:
+        engine: what :func:`build_app` takes (``LLM``, ``LLMEngine`` or ``AsyncLLM``).
+        port: ``0`` picks a free port (read it from :attr:`port` / :attr:`url` after :meth:`start`).
+
+    Use::
+
+        with BackgroundServer(llm) as server:
+            client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+            ...
+        # stopped here; the engine's own loop thread is stopped too and ``llm`` works again as before.
+
+    The engine must not be used from elsewhere while the server runs (its loop thread owns it).
+    """
+
+    def __init__(self, engine: Any, served_model_name: str | None = None, host: str = DEFAULT_HOST, port: int = 0,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.app = build_app(engine, served_model_name)
+        self.served_model_name: str = self.app.state.served_model_name
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level))
+        self._thread: threading.Thread | None = None
+        self.host, self.port = host, port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+        """Start serving and return once the socket listens."""
+        self._thread = threading.Thread(target=self._server.run, name="minillm-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port} (port in use?)")
+            time.sleep(0.02)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop accepting connections, finish the open ones, stop the engine loop (uvicorn's graceful exit)."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -296,6 +356,9 @@ def run_server(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_engine_args(engine_args)
     name = args.served_model_name or default_served_model_name(engine_args.model)
     app = build_app(engine, name)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("listening on %s: this server has no authentication; anyone who can reach the port can "
+                       "use it", args.host)
     print(f"minillm: serving {name!r} (max_model_len {engine.max_model_len}) on "
           f"http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -320,3 +320,23 @@ def test_background_server_serves_a_fake_engine_and_stops_its_loop():
     assert not llm.is_running and engine.callers == {llm._thread.ident}
     engine.add_request("direct", [1], SamplingParams(max_tokens=1))
     assert engine.step()[0].finished
+
+
+def test_an_engine_failure_mid_stream_is_reported_in_the_stream_then_503():
+    import json
+
+    import httpx
+
+    from minillm.entrypoints.openai.api_server import BackgroundServer
+
+    with BackgroundServer(FakeEngine(step_delay=0.0, fail_at_step=2), served_model_name="fake") as server:
+        body = {"prompt": [5, 6], "max_tokens": 10, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200  # the failure comes after the headers were sent
+            events = [line[len("data: "):] for line in r.iter_lines() if line]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "internal_error" and "boom" in error["message"]
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert httpx.get(server.url + "/health").status_code == 503

@@ -323,3 +323,23 @@ def test_the_openai_client_sees_the_error_fields(server, client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="Hello", max_tokens=1)
     assert e.value.code == "model_not_found"
+
+
+def test_the_serve_subcommand_parses_engine_arguments():
+    """``add_serve_subparser`` (what ``python -m minillm serve`` uses): loopback by default, every EngineArgs
+    field as an option, unset options left to EngineArgs' defaults."""
+    import argparse
+
+    from minillm.engine.arg_utils import EngineArgs
+    from minillm.entrypoints.openai.api_server import add_serve_subparser, engine_args_from_cli, run_server
+
+    parser = argparse.ArgumentParser()
+    add_serve_subparser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--port", "9001", "--max-model-len", "256", "--no-enable-prefix-caching",
+                              "--block-size", "8"])
+    assert args.command == "serve" and args.func is run_server
+    assert args.host == "127.0.0.1" and args.port == 9001
+    engine_args = engine_args_from_cli(args)
+    assert engine_args == EngineArgs(max_model_len=256, enable_prefix_caching=False, block_size=8)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-model-len", "lots"])

@@ -205,3 +205,15 @@ def test_a_stalled_rank_trips_the_collective_timeout():
                        fail_mode="hang")
         assert "CollectiveError" in str(info.value) and "all_gather of K/V at layer 0" in str(info.value)
         assert time.monotonic() - t0 < 2.0 + 10.0
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("context_parallel")
+def test_a_worker_that_dies_silently_is_reported_not_waited_for():
+    with ContextParallelExecutor({"tiny": _tiny_model()}, world_size=1) as ex:
+        ex._procs[0].kill()  # like a segfault or the OOM killer: no Python error, no report
+        ex._procs[0].join(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(ContextParallelError, match="rank 0 exited with code -9"):
+            ex.prefill("tiny", list(range(8)))
+        assert time.monotonic() - t0 < 10.0

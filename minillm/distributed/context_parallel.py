@@ -91,6 +91,7 @@ class ContextParallelAttention:
         self.score_entries = [0] * num_layers  # query-key scores computed per head, counted as they happen
         self.attn_cpu_s = 0.0  # CPU time of this thread in attention math (not in waits)
         self._mine = _local_pieces(split.pieces[self.rank])
+        self._positions = [split.positions(r) for r in range(split.world_size)]
 
     # -- the AttentionImpl entry point -------------------------------------------------------------------------
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -115,7 +116,7 @@ class ContextParallelAttention:
         full = kv.new_empty(2, split.num_tokens, *kv.shape[2:])
         for src, block in enumerate(blocks):
             # Put every rank's tokens back at their absolute positions (vLLM: pcp_allgather_restore_idx).
-            full[:, split.positions(src)] = block[:, : split.num_local_tokens(src)]
+            full[:, self._positions[src]] = block[:, : len(self._positions[src])]
         out = torch.empty_like(q)
         for lp in self._mine:
             s, e = lp.piece.start, lp.piece.end

@@ -271,10 +271,10 @@ class ContextParallelExecutor:
             try:
                 msg_kind, rank, payload = self._results.get(timeout=0.2)
             except queue.Empty:
-                dead = [p for p in self._procs if p.exitcode is not None]
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None]
                 if dead:
-                    self._fail(None, f"worker {dead[0].name} exited with code {dead[0].exitcode} without "
-                                     f"reporting an error")
+                    self._fail(None, f"worker rank {dead[0][0]} exited with code {dead[0][1]} without reporting an "
+                                     f"error")
                 if time.monotonic() > end:
                     self._fail(None, f"no {kind!r} from ranks {sorted(set(range(count)) - set(got))} within "
                                      f"{deadline_s:.0f} s")
@@ -296,12 +296,22 @@ class ContextParallelExecutor:
                 continue
             if kind == "error":
                 errors.append((rank, payload))
+        reported = {r for r, _ in errors}
+        silent = [(r, p.exitcode) for r, p in enumerate(self._procs)
+                  if p.exitcode not in (None, 0) and r not in reported]
+        if silent and not message:
+            message = f"worker rank {silent[0][0]} exited with code {silent[0][1]} without reporting an error"
         self.close(graceful=False)
-        if errors:
-            rank, (_, tb) = next((e for e in errors if not e[1][0]), errors[0])
+        root = next((e for e in errors if not e[1][0]), None)  # a rank that failed by itself
+        if root is None and not message and errors:
+            root = errors[0]  # only communication errors: show the first
+        if root is not None:
+            rank, (_, tb) = root
             others = sorted({r for r, _ in errors} - {rank})
             also = f" (ranks {others} then failed too)" if others else ""
             raise ContextParallelError(f"rank {rank} failed{also}:\n{tb}")
+        if errors:  # a worker died or the deadline passed; the others only saw their peer vanish
+            message += f" (ranks {sorted(r for r, _ in errors)} then reported communication errors)"
         raise ContextParallelError(message)
 
     def close(self, graceful: bool = True) -> None:

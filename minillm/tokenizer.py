@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:  # transformers is imported only when a tokenizer is loaded: it costs ~1.5 s per process
+    from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
     """Tokenizer for a ``.gguf`` file (vocabulary, merges and chat template from its metadata) or an HF directory."""
+    from transformers import AutoTokenizer
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(path)
     if path.suffix == ".gguf":
@@ -19,7 +23,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]] | str) -> list[int]:
+def chat_prompt_ids(tokenizer: "PreTrainedTokenizerBase", messages: list[dict[str, str]] | str) -> list[int]:
     """Token ids of ``messages`` (or one user message) rendered with the model's chat template, ready to answer."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]

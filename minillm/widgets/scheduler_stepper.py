@@ -18,7 +18,7 @@ from minillm.config import SchedulerConfig
 from minillm.core.sched.fake_runner import FakeModelRunner, SimulationResult, StepRecord
 from minillm.core.sched.output import SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
-from minillm.request import Request, RequestStatus
+from minillm.request import Request
 from minillm.sampling_params import SamplingParams
 
 _COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974",
@@ -46,7 +46,7 @@ class TraceRow:
     why: str
 
 
-def _granted_why(sched: Scheduler, r: Request, need: int, left: int, granted: int, hit: int = 0) -> str:
+def _granted_why(sched: Scheduler, r: Request, need: int, granted: int, hit: int = 0) -> str:
     threshold = sched.scheduler_config.long_prefill_token_threshold
     if granted == 1 and need == 1 and r.num_output_tokens > 0:
         return "decode: 1 token"
@@ -81,7 +81,7 @@ def trace_step(sched: Scheduler) -> tuple[SchedulerOutput, list[TraceRow]]:
         rid = r.request_id
         granted = so.num_scheduled_tokens.get(rid, 0)
         if granted:
-            why = _granted_why(sched, r, need, left, granted, hits.get(rid, 0))
+            why = _granted_why(sched, r, need, granted, hits.get(rid, 0))
             if queue == "waiting":
                 why = ("admitted (resumed): " if rid in cached.resumed_req_ids else "admitted: ") + why
         elif rid in so.preempted_req_ids and queue == "running":
@@ -305,12 +305,3 @@ class SchedulerStepper:
         render("press 'step' to schedule one step")
         return w.VBox([w.HBox([step_btn, budget]), w.HBox([prompt, max_tokens, priority, add_btn]), out])
 
-
-def waiting_ids(sched: Scheduler) -> list[str]:
-    """The waiting queue in admission order."""
-    return [r.request_id for r in sched.waiting]
-
-
-def is_running(sched: Scheduler, request_id: str) -> bool:
-    r = sched.requests.get(request_id)
-    return r is not None and r.status == RequestStatus.RUNNING

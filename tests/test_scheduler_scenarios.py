@@ -369,6 +369,34 @@ def test_scheduler_refuses_a_kv_cache_smaller_than_one_request_and_bad_requests(
         sched.add_request(req("long", 32))
 
 
+# -- the notebook's trace and stepper ---------------------------------------------------------------------------------
+def test_trace_step_explains_each_request_and_the_stepper_runs_headless():
+    from minillm.widgets.scheduler_stepper import SchedulerStepper, format_trace
+
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128,
+                             long_prefill_token_threshold=8)
+    st = SchedulerStepper(config, num_gpu_blocks=64, block_size=4,
+                          requests=[("A", 5, 10, 0), ("B", 6, 10, 0), ("C", 40, 4, 0)])
+    st.step()
+    st.step()
+    for rid, n in [("D", 3), ("E", 10), ("F", 6)]:
+        st.add_request(n, 4, 0, rid)
+    text = st.step()
+    rows = {r.request_id: r for r in st.last_rows}
+    assert [(r.request_id, r.granted) for r in st.last_rows] == [("A", 1), ("B", 1), ("C", 8), ("D", 3), ("E", 3),
+                                                                  ("F", 0)]
+    assert rows["A"].why == "decode: 1 token"
+    assert "long_prefill_token_threshold" in rows["C"].why
+    assert rows["E"].why.startswith("admitted: chunk") and rows["E"].budget_left == 3
+    assert rows["F"].why == "not admitted: budget exhausted"
+    assert "F" in text and format_trace(st.last_rows).count("\n") == 7
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        st.set_budget(4)
+    assert st.set_budget(24) and st.scheduler.max_num_scheduled_tokens == 24
+    ui = st.ui()  # builds the ipywidgets tree without a front-end
+    assert len(ui.children) == 3
+
+
 # -- the real model, through the simple runner ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_simple_runner_on_the_real_model_matches_plain_greedy_generation(model, tokenizer):

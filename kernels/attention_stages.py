@@ -1,5 +1,7 @@
 """The attention kernel of chapter 3 built up in stages, each one a complete, tested Triton kernel.
 
+0. :func:`online_softmax_step` / :func:`online_softmax_attention`: the online-softmax recurrence in PyTorch, the
+   algorithm every stage runs inside one program.
 1. :func:`attention_contiguous`: one sequence, K/V contiguous ``[num_k, num_heads, head_dim]``; a query chunk
    at offset ``ctx_len = num_k - num_q`` (causal with an offset); online softmax over KV tiles.
 2. :func:`attention_paged_one_seq`: the same, but K/V are read from the paged cache through one row of the block
@@ -31,6 +33,45 @@ def _check_simple(q: torch.Tensor, head_dim: int, block_m: int, tile_size: int) 
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot needs it on a GPU), got {b}")
     if q.dtype not in (torch.float32, torch.float16):
         raise ValueError(f"the stage kernels take float32 or float16, got {q.dtype}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Stage 0: the recurrence in PyTorch
+# ------------------------------------------------------------------------------------------------------------------
+def online_softmax_step(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, s: torch.Tensor, v: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold one tile of scores into the running softmax state.
+
+    Args:
+        m: ``[n]`` running max of the scores seen so far (``-inf`` before any).
+        l: ``[n]`` running sum of ``exp(score - m)``.
+        acc: ``[n, d]`` running sum of ``exp(score - m) * v``.
+        s: ``[n, t]`` this tile's scores (``-inf`` where masked).
+        v: ``[t, d]`` this tile's values.
+
+    Returns:
+        The new ``(m, l, acc)``; after the last tile, ``acc / l[:, None]`` is softmax(scores) @ values.
+    """
+    m_new = torch.maximum(m, s.max(dim=1).values)
+    # A row whose scores so far are all masked keeps m = -inf; measure from 0 then, so exp gives 0, not NaN.
+    ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - ref)                   # rescales the old sums to the new max
+    p = torch.exp(s - ref[:, None])
+    return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
+
+
+def online_softmax_attention(s: torch.Tensor, v: torch.Tensor, tile: int) -> torch.Tensor:
+    """``softmax(s, dim=1) @ v`` computed ``tile`` columns at a time with :func:`online_softmax_step`.
+
+    ``s`` ``[n, N]`` scores, ``v`` ``[N, d]``; returns ``[n, d]`` (rows with every score masked give 0).
+    """
+    n, d = s.shape[0], v.shape[1]
+    m = torch.full((n,), float("-inf"), dtype=s.dtype)
+    l = torch.zeros(n, dtype=s.dtype)
+    acc = torch.zeros(n, d, dtype=s.dtype)
+    for start in range(0, s.shape[1], tile):
+        m, l, acc = online_softmax_step(m, l, acc, s[:, start:start + tile], v[start:start + tile])
+    return acc / torch.where(l > 0, l, torch.ones_like(l))[:, None]
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -7,9 +7,13 @@ and calls :func:`minillm.attention.reference.reference_attention`, so it shares 
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from triton.runtime.errors import InterpreterError
 
 from minillm.attention.reference import reference_attention
 
@@ -117,3 +121,23 @@ def paged_reference_attention(q: torch.Tensor, key_cache: torch.Tensor, value_ca
         k, v = gather_kv(key_cache, value_cache, block_table[i], seq_len)
         out[a:b] = reference_attention(q[a:b], k, v, ctx_len=seq_len - (b - a), scale=scale)
     return out
+
+
+def unwrap_kernel_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``fn`` so that an exception raised *inside* a kernel keeps its type.
+
+    Triton's interpreter wraps whatever a kernel raises in an ``InterpreterError`` (once per nested ``@triton.jit``
+    call). Exercise checks want the original: a stub's ``NotImplementedError`` or a failed ``AssertionError``.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except InterpreterError as e:
+            cause: BaseException = e
+            while isinstance(cause, InterpreterError) and cause.__cause__ is not None:
+                cause = cause.__cause__
+            if cause is e:
+                raise
+            raise cause from None
+    return wrapper

@@ -22,7 +22,8 @@ import torch
 import triton
 
 import kernels
-from kernels.attention_stages import attention_contiguous, attention_paged_one_seq, attention_varlen
+from kernels.attention_stages import (attention_contiguous, attention_paged_one_seq, attention_varlen,
+                                      online_softmax_attention)
 from kernels.testing import gather_kv, make_paged_batch, paged_reference_attention
 from kernels.triton_basics import softmax_rows
 from kernels.unified_attention import choose_config, describe_programs
@@ -194,6 +195,16 @@ def test_describe_programs_covers_each_request_once():
 # ----------------------------------------------------------------------------------------------------------------
 # The stages of the chapter (notebook section 3) and the first kernel (section 2)
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tile", [1, 7, 64])
+def test_online_softmax_recurrence(tile):
+    s = torch.randn(5, 50, dtype=torch.float64) * 40  # exp(s) alone would overflow fp32
+    s[0, :] = float("-inf")      # a row with nothing visible
+    s[1, :30] = float("-inf")    # a row whose first tiles are all masked
+    v = torch.randn(50, 8, dtype=torch.float64)
+    want = torch.nan_to_num(torch.softmax(s, dim=1), nan=0.0) @ v
+    assert torch.allclose(online_softmax_attention(s, v, tile), want, atol=1e-12)
+
+
 def test_softmax_rows_kernel():
     x = torch.randn(6, 37) * 30  # large scores: the max shift is what keeps exp finite
     assert torch.allclose(softmax_rows(x), torch.softmax(x, -1), atol=1e-6)

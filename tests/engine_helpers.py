@@ -1,0 +1,72 @@
+"""Helpers shared by the engine tests: a tiny random Llama, a no-cache greedy reference, the divergence rule."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from minillm.config import LlamaConfig
+from minillm.model.llama import LlamaForCausalLM
+
+# Two greedy runs may pick different tokens only where the two best logits are closer than this: fp32 rounding of
+# a different (but equally correct) summation order moves logits by ~1e-5 at most on SmolLM2.
+TIE_GAP = 1e-4
+
+TINY = LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                   eos_token_id=None, bos_token_id=None)
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    """A random 2-layer Llama whose logits have large gaps (embedding std 1, tied head), so greedy tokens do not
+    depend on fp32 rounding."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(TINY).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+    return model
+
+
+@torch.inference_mode()
+def greedy_reference(model: LlamaForCausalLM, prompt: Sequence[int], max_tokens: int
+                     ) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens by recomputing the whole sequence without any cache at every step, and each step's logits."""
+    ids = list(prompt)
+    tokens, logits = [], []
+    for _ in range(max_tokens):
+        hidden = model(torch.tensor(ids))
+        row = model.compute_logits(hidden[-1:])[0]
+        tokens.append(int(row.argmax()))
+        logits.append(row)
+        ids.append(tokens[-1])
+    return tokens, logits
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def check_greedy_match(ours: Sequence[int], ref: Sequence[int], ref_logits: Sequence[torch.Tensor],
+                       what: str = "") -> int | None:
+    """Assert ``ours == ref`` up to the first divergence, and that a divergence happens only at a near tie.
+
+    At the first differing position the reference's two best logits must be within :data:`TIE_GAP` and our token
+    must be one of those two; after it the sequences legitimately go apart, so nothing more is compared.
+
+    Returns:
+        The position of the accepted divergence, or ``None`` when the tokens are identical.
+    """
+    assert len(ours) == len(ref), f"{what}: {len(ours)} tokens, reference has {len(ref)}"
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            gap = top2_gap(ref_logits[i])
+            top2 = ref_logits[i].float().topk(2).indices.tolist()
+            assert gap < TIE_GAP and a in top2, (
+                f"{what}: token {i} is {a}, the reference says {b} with a top-2 logit gap of {gap:.2e} "
+                f"(only a gap < {TIE_GAP} may flip); ours {list(ours)}, reference {list(ref)}")
+            return i
+    return None

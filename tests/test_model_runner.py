@@ -1,0 +1,122 @@
+"""The model runner: the flat batch it builds from a SchedulerOutput, and the vectorized SDPA attention backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillm.attention.paged import PagedAttention, allocate_kv_caches, build_attention_metadata
+from minillm.attention.torch_sdpa import TorchSDPAAttention
+from minillm.config import LlamaConfig
+from minillm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minillm.sampling_params import SamplingParams
+from minillm.worker.model_runner import ModelRunner
+from tests.engine_helpers import tiny_model
+
+
+# -- the SDPA backend equals the per-request reference -----------------------------------------------------------------
+@settings(max_examples=40)
+@given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 16]), num_reqs=st.integers(1, 5))
+def test_sdpa_backend_matches_paged_reference(data, block_size, num_reqs):
+    """Random mixes of decodes, fresh prompts and chunks with context (prefix hits) through both backends."""
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=8)
+    ctx = data.draw(st.lists(st.integers(0, 40), min_size=num_reqs, max_size=num_reqs))
+    new = data.draw(st.lists(st.sampled_from([1, 1, 2, 5, 17]), min_size=num_reqs, max_size=num_reqs))
+    num_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in zip(ctx, new))
+    perm = data.draw(st.permutations(list(range(1, num_blocks))))  # blocks scattered through the cache
+    block_ids, k0 = [], 0
+    for c, n in zip(ctx, new):
+        nb = -(-(c + n) // block_size)
+        block_ids.append(list(perm[k0:k0 + nb]))
+        k0 += nb
+    g = torch.Generator().manual_seed(len(perm))
+    caches = allocate_kv_caches(cfg, num_blocks, block_size)
+    for kc, vc in caches:  # history already in the cache (random), garbage elsewhere
+        kc.normal_(generator=g)
+        vc.normal_(generator=g)
+    copies = [(kc.clone(), vc.clone()) for kc, vc in caches]
+    md = build_attention_metadata(block_ids, ctx, new, block_size)
+    t = sum(new)
+    q = torch.randn(t, 6, 8, generator=g)
+    k = torch.randn(t, 2, 8, generator=g)
+    v = torch.randn(t, 2, 8, generator=g)
+    ref = PagedAttention(caches, md, backend="torch").forward(0, q, k, v)
+    out = TorchSDPAAttention(copies, md).forward(0, q, k, v)
+    # fp32, values O(1), different summation order (SDPA vs einsum): agreement to ~1e-6; 1e-5 leaves margin.
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(copies[0][0], caches[0][0], atol=0, rtol=0)  # the same K/V were written
+    torch.testing.assert_close(copies[0][1], caches[0][1], atol=0, rtol=0)
+
+
+# -- the flat batch -------------------------------------------------------------------------------------------------
+def _new(req_id, prompt, block_ids, num_computed=0, **params):
+    return NewRequestData(req_id, prompt, SamplingParams.greedy(**params), block_ids, num_computed)
+
+
+def test_prepare_inputs_builds_the_flat_batch_by_hand():
+    """Two new requests (one with a 4-token prefix-cache hit) and, next step, a decode plus a chunk."""
+    runner = ModelRunner(tiny_model(), num_blocks=16, block_size=4)
+    a = list(range(10, 16))          # 6 tokens, whole prompt
+    b = list(range(20, 31))          # 11 tokens, 4 cached, chunk of 5 now
+    so = SchedulerOutput([_new("A", a, [3, 7]), _new("B", b, [5, 2, 9], num_computed=4)], CachedRequestData(),
+                         {"A": 6, "B": 5}, 11)
+    out = runner.execute_model(so)
+    x = runner.last_inputs
+    assert x.req_ids == ["A", "B"]
+    assert x.input_ids.tolist() == a + b[4:9]
+    assert x.positions.tolist() == [0, 1, 2, 3, 4, 5] + [4, 5, 6, 7, 8]
+    assert x.query_start_loc.tolist() == [0, 6, 11]
+    assert x.seq_lens.tolist() == [6, 9]
+    assert x.block_table.tolist() == [[3, 7, 0], [5, 2, 9]]
+    # A: block 3 holds positions 0-3 (slots 12-15), block 7 positions 4-5 (28, 29); B: positions 4-7 in block 2,
+    # position 8 in block 9.
+    assert x.slot_mapping.tolist() == [12, 13, 14, 15, 28, 29] + [8, 9, 10, 11, 36]
+    assert x.logits_indices.tolist() == [5, 10]
+    assert x.sample_mask.tolist() == [True, False]  # B is mid-prefill: no token
+    assert len(out.sampled_token_ids[0]) == 1 and out.sampled_token_ids[1] == []
+    tok_a = out.sampled_token_ids[0][0]
+
+    cached = CachedRequestData(req_ids=["A", "B"], new_block_ids=[[], [11]], num_computed_tokens=[6, 9],
+                               num_output_tokens=[1, 0])
+    runner.execute_model(SchedulerOutput([], cached, {"A": 1, "B": 2}, 3))
+    x = runner.last_inputs
+    assert x.input_ids.tolist() == [tok_a, b[9], b[10]]
+    assert x.positions.tolist() == [6, 9, 10]
+    assert x.block_table.tolist() == [[3, 7, 0, 0], [5, 2, 9, 11]]
+    assert x.slot_mapping.tolist() == [30, 37, 38]
+    assert x.logits_indices.tolist() == [0, 2]
+    assert x.sample_mask.tolist() == [True, True]
+
+
+def test_runner_resumes_a_preempted_request_from_all_its_tokens():
+    runner = ModelRunner(tiny_model(), num_blocks=16, block_size=4)
+    runner.execute_model(SchedulerOutput([_new("A", [1, 2, 3], [4])], CachedRequestData(), {"A": 3}, 3))
+    first = runner.requests["A"].token_ids[-1]
+    # Preempted, then resumed with new blocks: the runner recomputes prompt + output from position 0.
+    cached = CachedRequestData(req_ids=["A"], resumed_req_ids={"A"}, new_block_ids=[[6]], num_computed_tokens=[0],
+                               num_output_tokens=[1], all_token_ids={"A": [1, 2, 3, first]})
+    runner.execute_model(SchedulerOutput([], cached, {"A": 4}, 4, preempted_req_ids=set()))
+    x = runner.last_inputs
+    assert x.input_ids.tolist() == [1, 2, 3, first]
+    assert x.slot_mapping.tolist() == [24, 25, 26, 27]
+    assert runner.requests["A"].token_ids[:4] == [1, 2, 3, first]
+
+
+def test_runner_computes_logits_only_where_a_token_is_due(monkeypatch):
+    model = tiny_model()
+    runner = ModelRunner(model, num_blocks=16, block_size=4)
+    rows = []
+    orig = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: rows.append(h.shape[0]) or orig(h))
+    so = SchedulerOutput([_new("A", [1] * 8, [1, 2]), _new("B", [2] * 9, [3, 4, 5]), _new("C", [3] * 2, [6])],
+                         CachedRequestData(), {"A": 8, "B": 4, "C": 2}, 14)
+    runner.execute_model(so)
+    assert rows == [2]  # A and C finish their prompts; B is mid-prefill
+
+
+def test_runner_rejects_an_unknown_backend():
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        ModelRunner(tiny_model(), num_blocks=4, block_size=4, attention_backend="flash")
+

@@ -29,6 +29,7 @@ ALiBi, soft-capping, attention sinks, fp8 KV caches with scales, and tuned launc
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -201,6 +202,7 @@ class LaunchConfig:
     num_stages: int
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 

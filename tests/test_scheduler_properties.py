@@ -61,12 +61,13 @@ def _check_step(config: SchedulerConfig, usable_blocks: int):
             r = sched.requests[rid]
             assert r.status == RequestStatus.RUNNING and r.num_computed_tokens <= r.num_tokens
         assert 0 <= record.num_used_blocks <= usable_blocks
-        # Something progresses every step unless nothing is left to run.
-        assert so.num_scheduled_tokens or not sched.running
+        # Every step schedules something, unless nothing runs or a request preempted itself (which ends the
+        # running loop, and no admission follows a preemption).
+        assert so.num_scheduled_tokens or so.preempted_req_ids or not sched.running
     return on_step
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_limits_hold_every_step_and_every_request_finishes_with_its_length(scenario):
     config, num_blocks, block_size, caching, workload = scenario
@@ -82,7 +83,7 @@ def test_limits_hold_every_step_and_every_request_finishes_with_its_length(scena
     assert sched.running == [] and len(sched.waiting) == 0 and sched.requests == {}
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_outputs_do_not_depend_on_chunking_preemption_or_prefix_caching(scenario):
     """The fake model, like a real one, is a function of the tokens: whatever the schedule, the outputs match a

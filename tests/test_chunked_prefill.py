@@ -215,3 +215,14 @@ def test_plot_dependency_graph_draws_every_node_and_edge():
     assert len(ax.patches) == num_edges
     assert len(ax.collections) == 3 * 4
     plt.close(ax.figure)
+
+
+def test_greedy_continuation_matches_generate(model, prompt):
+    import minillm
+
+    ids = prompt[:16]
+    rec = chunked_prefill(model, ids, [6, 10])
+    want = minillm.generate(model, ids.tolist(), max_new_tokens=3, eos_token_id=-1)
+    assert rec.greedy_continuation(model, 3) == want
+    with pytest.raises(ValueError, match="independent"):
+        independent_chunks_prefill(model, ids, [8, 8]).greedy_continuation(model, 2)

@@ -258,6 +258,29 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert all(b.ref_cnt == 0 for b in self.mgr.block_pool.blocks)
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None,
+KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 test_kv_cache_manager_state_machine = KVCacheMachine.TestCase
+
+
+def test_block_table_widget_headless():
+    """The chapter's widget drives a real manager; its text view reports the state, and a full pool is reported."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from minillm.widgets import BlockTableWidget
+
+    w = BlockTableWidget(num_blocks=5, block_size=4, prompts={"A": list(range(10)), "A'": list(range(8)) + [99]})
+    assert w.add_request("A") == "A0: 10 prompt tokens, 0 from the prefix cache"
+    assert w.add_request("A'") == "A'1: 9 prompt tokens, 8 from the prefix cache"
+    assert w.manager.get_block_ids("A'1")[:2] == w.manager.get_block_ids("A0")[:2]
+    assert "pool full after 2 tokens" in w.append_tokens("A0", 5)  # 4 usable blocks: 3 for A, 1 more for A'
+    text = w.state_text()
+    assert "A0: block_table [1, 2, 3], 12 tokens" in text and "free 0" in text
+    w.free("A0")
+    # A' still holds the shared blocks 1 and 2: only A's own tail block 3 (full, so still cached: *) is free.
+    assert w.manager.num_free_blocks == 1 and "free queue (evicted first -> last): 3*" in w.state_text()
+    with pytest.raises(ValueError, match="no running request 'A0'"):
+        w.free("A0")
+    w.plot()
+    w.ui()  # builds the ipywidgets view without a front-end

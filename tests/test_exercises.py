@@ -63,3 +63,18 @@ def test_exercise_checks_fail_until_solved(solution):
         assert errors[0].ename in ("NotImplementedError", "AssertionError"), (
             f"{solution.name}: '{name}' failed with {errors[0].ename}: {errors[0].evalue}; a check should fail "
             "with NotImplementedError (stub) or AssertionError (wrong answer), not crash")
+
+
+def test_check_cases_names_the_differing_case_even_with_nan():
+    import torch
+
+    from minillm.exercises import check_cases
+
+    def ref(x):
+        return x + 1
+
+    with pytest.raises(AssertionError, match=r"max abs difference inf at index \(1,\)"):
+        check_cases(lambda x: torch.where(x > 1, torch.nan, x + 1), ref, [{"x": torch.tensor([0.0, 2.0])}])
+    with pytest.raises(AssertionError, match=r"shape \(1,\) != expected \(2,\)"):
+        check_cases(lambda x: x[:1], ref, [{"x": torch.tensor([0.0, 2.0])}])
+    assert check_cases(ref, ref, [{"x": torch.tensor([float("nan")])}]) == 1

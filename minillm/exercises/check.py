@@ -28,7 +28,10 @@ def _compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
                 return f"values differ at indices {bad}"
             return None
         if not torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol, equal_nan=True):
-            diff = (got.float() - want.float()).abs()
+            # NaN where the reference is finite must count as the largest difference, not vanish from max().
+            diff = torch.nan_to_num((got.float() - want.float()).abs(), nan=float("inf"))
+            both_nan = torch.isnan(got.float()) & torch.isnan(want.float())
+            diff = diff.masked_fill(both_nan, 0.0)
             idx = tuple(torch.nonzero(diff == diff.max())[0].tolist()) if diff.numel() else ()
             return f"max abs difference {diff.max().item():.3g} at index {idx} (tolerance atol={atol}, rtol={rtol})"
         return None

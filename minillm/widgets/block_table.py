@@ -178,7 +178,6 @@ class BlockTableWidget:
     # -- the ipywidgets front-end ----------------------------------------------------------------------------------
     def _render(self, status: str = "") -> None:
         import matplotlib.pyplot as plt
-        from IPython.display import display
 
         out = self._ui["out"]
         out.clear_output(wait=True)

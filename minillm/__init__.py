@@ -7,14 +7,18 @@ Start with::
     ids = minillm.chat_prompt_ids(tokenizer, "What is the capital of France?")
     print(tokenizer.decode(minillm.generate(model, ids)))
 """
-from minillm.config import LlamaConfig
+from minillm.config import LlamaConfig, SchedulerConfig
+from minillm.core import KVCacheManager
 from minillm.generate import generate, generate_tokens
 from minillm.loaders.load import load_model
 from minillm.loaders.model_path import default_model_path
 from minillm.model.llama import LlamaForCausalLM
+from minillm.request import Request, RequestStatus
+from minillm.sampling_params import SamplingParams
 from minillm.tokenizer import chat_prompt_ids, load_tokenizer
 
 __version__ = "0.1.0"
 
-__all__ = ["LlamaConfig", "LlamaForCausalLM", "chat_prompt_ids", "default_model_path", "generate",
-           "generate_tokens", "load_model", "load_tokenizer"]
+__all__ = ["KVCacheManager", "LlamaConfig", "LlamaForCausalLM", "Request", "RequestStatus", "SamplingParams",
+           "SchedulerConfig", "chat_prompt_ids", "default_model_path", "generate", "generate_tokens", "load_model",
+           "load_tokenizer"]

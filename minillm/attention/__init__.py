@@ -6,6 +6,12 @@ buffer, a paged cache) and how attention over it is computed (PyTorch reference 
 """
 from minillm.attention.backend import AttentionImpl
 from minillm.attention.contiguous import ContiguousKVCache
-from minillm.attention.reference import causal_mask, merge_attn_states, reference_attention
+from minillm.attention.metadata import AttentionMetadata
+from minillm.attention.paged import PagedAttention, allocate_kv_caches, build_attention_metadata
+from minillm.attention.reference import causal_mask, merge_attn_states, prefix_chunk_attention, reference_attention
 
-__all__ = ["AttentionImpl", "ContiguousKVCache", "causal_mask", "merge_attn_states", "reference_attention"]
+# minillm.attention.chunked (chapter 1's experiments) imports the model, which imports this package: import it
+# as ``from minillm.attention.chunked import ...``.
+__all__ = ["AttentionImpl", "AttentionMetadata", "ContiguousKVCache", "PagedAttention", "allocate_kv_caches",
+           "build_attention_metadata", "causal_mask", "merge_attn_states", "prefix_chunk_attention",
+           "reference_attention"]

@@ -5,15 +5,19 @@ through the block table, then attend. Called for every layer, that loop costs ``
 Python-level operations per step, which dominates a decode step of 32 requests on a CPU. This backend keeps the
 same semantics but groups the work, planned **once per step** (not once per layer) by :class:`SDPAPlan`:
 
-- **decodes** (``query_len == 1``): all of them at once. Their block-table rows index the cache in one gather,
-  ``key_cache[block_table] -> [num_decodes, num_blocks * block_size, num_kv_heads, head_dim]``, and one
-  ``scaled_dot_product_attention`` call with a padding mask (``key position < seq_len``) attends every decode.
+- **decodes** (``query_len == 1``): batched. Their block-table rows index the cache in one gather,
+  ``key_cache[block_table] -> [n, num_blocks * block_size, num_kv_heads, head_dim]``, and one
+  ``scaled_dot_product_attention`` call with a padding mask (``key position < seq_len``) attends them all. The
+  gather copies every request's history padded to the longest one, so decodes are first sorted by length and cut
+  into groups of similar lengths (padding below ~30%): the copy is the main cost of a decode's attention on a CPU.
+  The ``num_queries_per_kv`` query heads that share a K/V head ride as the "query length" axis of SDPA
+  (``[n, num_kv_heads, group, head_dim]``), so grouped-query attention needs no copy of K/V per query head.
 - **prefills** (``query_len > 1``, whole prompts or chunks): one SDPA call each. A chunk with no cached context
   (a fresh prompt without a prefix-cache hit) attends to its own new K/V, so it skips the gather and uses SDPA's
   ``is_causal``; a later chunk (or a prefix-cache hit) gathers its history through precomputed slot indices and
   uses a causal mask shifted by its context length.
 
-Grouped-query attention uses SDPA's ``enable_gqa`` (no copy of the K/V heads).
+Prefills use SDPA's ``enable_gqa`` for grouped-query attention.
 
 vLLM counterpart: ``vllm/v1/attention/backends/cpu_attn.py`` (``TorchSDPABackend``, the CPU backend, which also
 splits prefills from decodes and runs SDPA on the prefills); vLLM's CPU decodes use a C++ paged-attention kernel
@@ -38,15 +42,23 @@ class _Prefill:
     mask: torch.Tensor | None        # [query_len, seq_len] bool, True = may attend; None: plain causal
 
 
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor               # [n] flat rows of these decode requests
+    block_table: torch.Tensor        # [n, num_blocks] int64, cut to the blocks the longest one needs
+    mask: torch.Tensor               # [n, 1, 1, num_blocks * block_size] additive: 0 (attend) or -inf (padding)
+
+
+# A decode group grows while its longest history is at most this much longer than its shortest.
+DECODE_GROUP_SPREAD = 1.3
+
+
 class SDPAPlan:
     """What :class:`TorchSDPAAttention` needs for one step, computed once from the :class:`AttentionMetadata`.
 
     Attributes:
         valid_slots / valid_rows: where each new token's K/V is written (rows with slot ``-1`` dropped).
-        decode_rows: ``[num_decodes]`` flat rows of the decode requests.
-        decode_block_table: ``[num_decodes, max_blocks]`` their block-table rows, cut to the blocks needed.
-        decode_mask: ``[num_decodes, 1, 1, max_blocks * block_size]`` bool, ``True`` for key positions ``<
-            seq_len``.
+        decode_groups: the decode requests (``query_len == 1``), sorted by ``seq_len`` and grouped.
         prefills: one entry per request with ``query_len > 1``.
     """
 
@@ -64,18 +76,14 @@ class SDPAPlan:
             self.valid_rows = None
             self.valid_slots = slots
 
-        decode_reqs = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
-        self.decode_rows = torch.tensor([qsl[i] for i in decode_reqs], dtype=torch.long, device=device)
-        self.decode_block_table = None
-        self.decode_mask = None
-        if decode_reqs:
-            max_len = max(seq_lens[i] for i in decode_reqs)
-            num_blocks = -(-max_len // block_size)
-            idx = torch.tensor(decode_reqs, dtype=torch.long, device=device)
-            self.decode_block_table = md.block_table[idx, :num_blocks].to(torch.long)
-            lens = md.seq_lens[idx].to(torch.long)
-            positions = torch.arange(num_blocks * block_size, device=device)
-            self.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+        decodes = sorted((i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1), key=lambda i: seq_lens[i])
+        groups: list[list[int]] = []
+        for i in decodes:
+            if groups and seq_lens[i] <= DECODE_GROUP_SPREAD * seq_lens[groups[-1][0]]:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        self.decode_groups = [self._decode_group(md, g, qsl, seq_lens, block_size, device) for g in groups]
 
         self.prefills: list[_Prefill] = []
         for i, seq_len in enumerate(seq_lens):
@@ -94,6 +102,18 @@ class SDPAPlan:
             hist_slots = row[pos // block_size] * block_size + pos % block_size
             q_pos = torch.arange(ctx, seq_len, device=device)
             self.prefills.append(_Prefill(a, b, hist_slots, pos[None, :] <= q_pos[:, None]))
+
+    @staticmethod
+    def _decode_group(md: AttentionMetadata, reqs: list[int], qsl: list[int], seq_lens: list[int],
+                      block_size: int, device: torch.device) -> _DecodeGroup:
+        num_blocks = -(-max(seq_lens[i] for i in reqs) // block_size)
+        idx = torch.tensor(reqs, dtype=torch.long, device=device)
+        lens = torch.tensor([seq_lens[i] for i in reqs], device=device)
+        positions = torch.arange(num_blocks * block_size, device=device)
+        mask = torch.zeros(len(reqs), 1, 1, num_blocks * block_size, device=device)
+        mask.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        return _DecodeGroup(torch.tensor([qsl[i] for i in reqs], dtype=torch.long, device=device),
+                            md.block_table[idx, :num_blocks].to(torch.long), mask)
 
 
 class TorchSDPAAttention:
@@ -130,15 +150,16 @@ class TorchSDPAAttention:
             flat_v.index_copy_(0, plan.valid_slots, v[plan.valid_rows].to(value_cache.dtype))
 
         out = torch.empty_like(q)
-        if plan.decode_block_table is not None:
-            nd, nb = plan.decode_block_table.shape
-            # [nd, nb, block_size, Hkv, D] -> [nd, Hkv, nb * block_size, D]
-            kd = key_cache[plan.decode_block_table].view(nd, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
-            vd = value_cache[plan.decode_block_table].view(nd, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
-            qd = q[plan.decode_rows].unsqueeze(2)  # [nd, H, 1, D]
-            od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=plan.decode_mask,
-                                                enable_gqa=True)
-            out[plan.decode_rows] = od.squeeze(2)
+        num_heads = q.shape[1]
+        group = num_heads // num_kv_heads
+        for g in plan.decode_groups:
+            n, nb = g.block_table.shape
+            # [n, nb, block_size, Hkv, D] -> [n, Hkv, nb * block_size, D]
+            kd = key_cache[g.block_table].view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+            vd = value_cache[g.block_table].view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+            qd = q[g.rows].view(n, num_kv_heads, group, head_dim)  # query heads of one K/V head side by side
+            od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask.to(q.dtype))
+            out[g.rows] = od.reshape(n, num_heads, head_dim)
         for p in plan.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if p.slots is None:

@@ -6,6 +6,10 @@ vLLM counterparts: ``vllm/model_executor/layers/layernorm.py`` (``RMSNorm``),
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -48,7 +52,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions``: ``[num_tokens]`` -> cos, sin each ``[num_tokens, 1, head_dim]`` (fp32)."""
+        """``positions``: ``[num_tokens]`` -> cos, sin each ``[num_tokens, 1, head_dim]`` (fp32).
+
+        Inside :func:`share_rotary_cache` (the model's forward pass) every layer rotates by the same angles, so the
+        first layer computes them and the others reuse them.
+        """
+        shared = getattr(_ROPE_CACHE, "entries", None)
+        if shared is None or shared.get("positions") is not positions:
+            return self._cos_sin(positions)
+        key = (self.head_dim, self.theta, self.inv_freq.device)
+        if key not in shared:
+            shared[key] = self._cos_sin(positions)
+        return shared[key]
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos()[:, None, :], emb.sin()[:, None, :]
@@ -61,11 +78,34 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+# Per thread: {"positions": the tensor being rotated, (head_dim, theta, device): (cos, sin)} while a forward pass runs.
+_ROPE_CACHE = threading.local()
+
+
+@contextlib.contextmanager
+def share_rotary_cache(positions: torch.Tensor) -> Iterator[None]:
+    """Within this block, every :class:`RotaryEmbedding` called with this very ``positions`` tensor reuses the cos
+    and sin the first one computed (a forward pass rotates all layers by the same angles; recomputing them per
+    layer costs ~10% of a prefill on a CPU). Outside it nothing is cached, so a tensor changed in place between
+    calls is never served stale angles."""
+    previous = getattr(_ROPE_CACHE, "entries", None)
+    _ROPE_CACHE.entries = {"positions": positions}
+    try:
+        yield
+    finally:
+        _ROPE_CACHE.entries = previous
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, computed half by half without
+    building the rotated copy (the same floating-point operations, so the same bits)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = xf * cos
+    out[..., :half] -= x2 * sin[..., :half]
+    out[..., half:] += x1 * sin[..., half:]
+    return out.to(x.dtype)
 
 
 class SiluAndMul(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 from minillm.attention.backend import AttentionImpl
 from minillm.attention.contiguous import ContiguousKVCache
 from minillm.config import LlamaConfig
-from minillm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from minillm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, share_rotary_cache
 
 
 class LlamaAttention(nn.Module):
@@ -65,7 +65,9 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+        # silu(gate) * up on the two halves directly: the same values as act_fn(cat([gate, up])) without writing
+        # (and then reading back, strided) a [num_tokens, 2 * intermediate] copy, ~20% of a prefill layer on a CPU.
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,10 +103,11 @@ class LlamaModel(nn.Module):
         (``num_layers`` tensors ``[num_tokens, hidden]``), for experiments that look inside the model.
         """
         h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            if hidden_states_out is not None:
-                hidden_states_out.append(h)
-            h = layer(positions, h, attn)
+        with share_rotary_cache(positions):  # the angles are computed once, not once per layer
+            for layer in self.layers:
+                if hidden_states_out is not None:
+                    hidden_states_out.append(h)
+                h = layer(positions, h, attn)
         return self.norm(h)
 
 

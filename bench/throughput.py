@@ -1,0 +1,18 @@
+"""Offline throughput of minillm vs transformers (padded ``generate`` and continuous batching) vs the roofline.
+
+Run from the repository root::
+
+    python bench/throughput.py                       # the issue's workload: 32 requests, prompts 30-400 tokens
+    python bench/throughput.py --peers minillm,roofline --num-requests 8
+
+Everything lives in :mod:`minillm.benchmarks.throughput` (also ``python -m minillm bench``).
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from minillm.benchmarks.throughput import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()

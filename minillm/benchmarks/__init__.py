@@ -1,0 +1,1 @@
+"""Benchmarks that measure minillm against its peers in the same run (``python -m minillm bench``)."""

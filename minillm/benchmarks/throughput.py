@@ -1,0 +1,304 @@
+"""Offline throughput: one seeded workload served by minillm and by its peers, in the same process, on the same machine.
+
+The workload (the issue's): ``num_requests`` prompts of random token ids with lengths uniform in ``[min_prompt,
+max_prompt]``, each asking for an output length drawn from ``output_lens``; greedy, EOS ignored, so every system must
+produce exactly the same tokens. Measured, in one run:
+
+- **minillm**: :class:`~minillm.entrypoints.llm.LLM` ``.generate`` on all requests at once (continuous batching,
+  chunked prefill, paged KV cache).
+- **hf-padded**: transformers ``generate`` on the whole batch, left-padded, run to the longest output (the classic
+  static batch: short requests keep occupying their row until the longest one ends).
+- **hf-batch**: transformers ``generate_batch``-style continuous batching (its ``ContinuousBatchingManager``), each
+  request with its own ``max_new_tokens``.
+- **roofline**: the matmul FLOPs the workload needs (every prompt token and every fed-back output token through the
+  30 layers, causal attention, the LM head only on the rows that are sampled), divided by the matmul throughput
+  measured on this machine in the same run. No engine can beat it without skipping work.
+
+Throughput is *useful* output tokens per second: the tokens each request asked for, ``sum(output_lens)``, over the
+wall time; padding and tokens generated past a request's length do not count. Ratios between systems measured in
+the same run are what to compare: absolute numbers move with the machine's load.
+
+vLLM counterpart: ``vllm bench throughput`` (``vllm/benchmarks/throughput.py``), whose ``random`` dataset is the
+same kind of workload.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from minillm.analysis.flops import layer_flops, lm_head_flops
+from minillm.config import LlamaConfig
+
+OUTPUT_LENS = (8, 16, 32, 64, 96)
+PEERS = ("minillm", "hf-padded", "hf-batch", "roofline")
+
+
+@dataclass
+class Workload:
+    """Seeded requests: ``prompts[i]`` (token ids) wants exactly ``output_lens[i]`` tokens."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def make_workload(num_requests: int = 32, min_prompt: int = 30, max_prompt: int = 400,
+                  output_lens: tuple[int, ...] = OUTPUT_LENS, seed: int = 0, vocab: tuple[int, int] = (100, 49000)
+                  ) -> Workload:
+    """Random token-id prompts (ids in ``vocab``, clear of the special tokens) and output lengths, from ``seed``."""
+    if num_requests < 1 or not 1 <= min_prompt <= max_prompt or not output_lens or min(output_lens) < 1:
+        raise ValueError(f"need num_requests >= 1, 1 <= min_prompt <= max_prompt and positive output lengths, got "
+                         f"{num_requests}, {min_prompt}, {max_prompt}, {output_lens}")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(min_prompt, max_prompt))] for _ in range(num_requests)]
+    return Workload(prompts, [rng.choice(output_lens) for _ in range(num_requests)])
+
+
+def workload_flops(config: LlamaConfig, workload: Workload) -> int:
+    """Matmul FLOPs the workload needs at the least: each request's prompt as one causal chunk, then each output
+    token but the last fed back as a one-token chunk, through every layer; the LM head on one row per output token
+    (only sampled rows need logits)."""
+    one_layer = 0
+    for prompt, n_out in zip(workload.prompts, workload.output_lens):
+        one_layer += layer_flops(config, len(prompt), 0)["total"]
+        for i in range(n_out - 1):
+            one_layer += layer_flops(config, 1, len(prompt) + i)["total"]
+    return one_layer * config.num_hidden_layers + lm_head_flops(config, workload.num_output_tokens)
+
+
+def measure_matmul_flops(config: LlamaConfig, seconds: float = 2.0, rows: int = 512) -> float:
+    """Best FLOP/s of fp32 matmuls of the model's own shapes (``rows`` tokens through the MLP and attention
+    projections), the ceiling the engine's big prefill steps can reach."""
+    h, i = config.hidden_size, config.intermediate_size
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    shapes = [(rows, h, i), (rows, i, h), (rows, h, qkv)]
+    mats = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
+    flops_per_round = sum(2 * m * k * n for m, k, n in shapes)
+    best = 0.0
+    end = time.perf_counter() + seconds
+    while True:
+        t = time.perf_counter()
+        for a, b in mats:
+            torch.mm(a, b)
+        dt = time.perf_counter() - t
+        best = max(best, flops_per_round / dt)
+        if time.perf_counter() > end:
+            return best
+
+
+@dataclass
+class PeerResult:
+    name: str
+    seconds: float
+    output_tokens: int
+    tokens: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def run_minillm(model: Any, tokenizer: Any, workload: Workload, **engine_args: Any) -> PeerResult:
+    from minillm.entrypoints.llm import LLM
+    from minillm.sampling_params import SamplingParams
+
+    llm = LLM(model, tokenizer=tokenizer, **engine_args)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert [len(t) for t in tokens] == workload.output_lens
+    return PeerResult("minillm", seconds, workload.num_output_tokens, tokens)
+
+
+@torch.inference_mode()
+def run_hf_padded(hf_model: Any, workload: Workload, pad_token_id: int = 0) -> PeerResult:
+    width = max(len(p) for p in workload.prompts)
+    ids = torch.full((len(workload.prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(workload.prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    start = time.perf_counter()
+    out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(workload.output_lens),
+                            do_sample=False, eos_token_id=None, pad_token_id=pad_token_id)
+    seconds = time.perf_counter() - start
+    tokens = [out[i, width:width + n].tolist() for i, n in enumerate(workload.output_lens)]
+    return PeerResult("hf-padded", seconds, workload.num_output_tokens, tokens)
+
+
+@torch.inference_mode()
+def run_hf_batch(hf_model: Any, workload: Workload, timeout_s: float = 1800.0) -> PeerResult:
+    """transformers' continuous batching (the manager behind ``generate_batch``), per-request ``max_new_tokens``."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=None,
+                              pad_token_id=0)
+    start = time.perf_counter()
+    manager = hf_model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+               for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens))]
+        results: dict[str, Any] = {}
+        deadline = time.perf_counter() + timeout_s
+        while len(results) < len(ids):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"transformers' continuous batching finished {len(results)}/{len(ids)} requests")
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+    finally:
+        manager.stop(block=True)
+    seconds = time.perf_counter() - start
+    tokens = [list(results[rid].generated_tokens)[:n] for rid, n in zip(ids, workload.output_lens)]
+    return PeerResult("hf-batch", seconds, workload.num_output_tokens, tokens)
+
+
+@torch.inference_mode()
+def compare_greedy(ours: list[list[int]], theirs: list[list[int]], hf_model: Any, workload: Workload,
+                   tie_gap: float = 1e-4) -> dict[str, int]:
+    """Count identical sequences; at a divergence, recompute transformers' logits there (unpadded) and count it as a
+    near tie if the two best logits are within ``tie_gap`` and our token is one of them."""
+    identical = ties = real = 0
+    for prompt, a, b in zip(workload.prompts, ours, theirs):
+        if a == b:
+            identical += 1
+            continue
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        logits = hf_model(torch.tensor([prompt + a[:i]])).logits[0, -1].float()
+        top = logits.topk(2)
+        if i < len(a) and float(top.values[0] - top.values[1]) < tie_gap and a[i] in top.indices.tolist():
+            ties += 1
+        else:
+            real += 1
+    return {"identical": identical, "near_tie_divergences": ties, "real_divergences": real}
+
+
+def load_hf_model() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from minillm.loaders.model_path import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any = None, tokenizer: Any = None,
+                  hf_model: Any = None, engine_args: dict[str, Any] | None = None, matmul_seconds: float = 2.0,
+                  log: Any = None) -> dict[str, Any]:
+    """Run the chosen peers on ``workload``; return tokens/s of each, the ratios and the greedy comparison."""
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {PEERS}")
+    say = log or (lambda *a: None)
+    if model is None:
+        import minillm
+
+        model, tokenizer = minillm.load_model()
+    if hf_model is None and any(p.startswith("hf") for p in peers):
+        hf_model = load_hf_model()
+    results: dict[str, PeerResult] = {}
+    report: dict[str, Any] = {"num_requests": len(workload.prompts), "prompt_tokens": workload.num_prompt_tokens,
+                              "output_tokens": workload.num_output_tokens, "threads": torch.get_num_threads()}
+    if "minillm" in peers:
+        results["minillm"] = run_minillm(model, tokenizer, workload, **(engine_args or {}))
+        say(f"minillm: {results['minillm'].tokens_per_second:.1f} tok/s")
+    if "hf-padded" in peers:
+        results["hf-padded"] = run_hf_padded(hf_model, workload)
+        say(f"hf-padded: {results['hf-padded'].tokens_per_second:.1f} tok/s")
+    if "hf-batch" in peers:
+        results["hf-batch"] = run_hf_batch(hf_model, workload)
+        say(f"hf-batch: {results['hf-batch'].tokens_per_second:.1f} tok/s")
+    tps = {name: r.tokens_per_second for name, r in results.items()}
+    if "roofline" in peers:
+        flops = workload_flops(model.config, workload)
+        peak = measure_matmul_flops(model.config, matmul_seconds)
+        tps["roofline"] = workload.num_output_tokens / (flops / peak)
+        report.update(workload_gflop=flops / 1e9, matmul_gflops=peak / 1e9)
+        say(f"roofline: {tps['roofline']:.1f} tok/s ({flops / 1e9:.0f} GFLOP at {peak / 1e9:.1f} GFLOP/s)")
+    report["tokens_per_second"] = tps
+    report["seconds"] = {name: r.seconds for name, r in results.items()}
+    if "minillm" in tps:
+        report["minillm_over"] = {name: tps["minillm"] / v for name, v in tps.items() if name != "minillm"}
+    for peer in ("hf-padded", "hf-batch"):
+        if "minillm" in results and peer in results:
+            report[f"greedy_vs_{peer}"] = compare_greedy(results["minillm"].tokens, results[peer].tokens, hf_model,
+                                                          workload)
+    report["results"] = results
+    return report
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--min-prompt", type=int, default=30)
+    parser.add_argument("--max-prompt", type=int, default=400)
+    parser.add_argument("--output-lens", type=str, default=",".join(map(str, OUTPUT_LENS)),
+                        help="comma-separated output lengths to draw from")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peers", type=str, default=",".join(PEERS), help=f"comma-separated subset of {PEERS}")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--json", type=str, default=None, help="also write the report to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> dict[str, Any]:
+    """``python bench/throughput.py`` / ``python -m minillm bench``: run, print a table, return the report."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args is None:
+        args = add_cli_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    workload = make_workload(args.num_requests, args.min_prompt, args.max_prompt,
+                             tuple(int(x) for x in args.output_lens.split(",")), args.seed)
+    engine_args = {"block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "max_num_seqs": args.max_num_seqs}
+    peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    report = run_benchmark(workload, peers, engine_args=engine_args,
+                           log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in report.items() if k != "results"}, f, indent=2)
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"workload: {report['num_requests']} requests, {report['prompt_tokens']} prompt tokens, "
+             f"{report['output_tokens']} output tokens; torch threads: {report['threads']}"]
+    lines.append(f"{'system':<12}{'tok/s':>10}{'minillm / it':>15}")
+    for name, v in report["tokens_per_second"].items():
+        ratio = report.get("minillm_over", {}).get(name)
+        lines.append(f"{name:<12}{v:>10.1f}{'' if ratio is None else f'{ratio:>15.2f}'}")
+    if "roofline" in report["tokens_per_second"] and "minillm" in report["tokens_per_second"]:
+        frac = report["tokens_per_second"]["minillm"] / report["tokens_per_second"]["roofline"]
+        lines.append(f"minillm reaches {frac:.2f} of the roofline "
+                     f"({report['workload_gflop']:.0f} GFLOP at {report['matmul_gflops']:.1f} GFLOP/s)")
+    for peer in ("hf-padded", "hf-batch"):
+        if f"greedy_vs_{peer}" in report:
+            lines.append(f"greedy tokens vs {peer}: {report[f'greedy_vs_{peer}']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

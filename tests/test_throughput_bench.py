@@ -1,0 +1,42 @@
+"""The throughput benchmark: its workload, its FLOP count, and a tiny run of every peer."""
+from __future__ import annotations
+
+import pytest
+
+from minillm.benchmarks.throughput import (OUTPUT_LENS, format_report, make_workload, run_benchmark,
+                                           workload_flops)
+from minillm.config import LlamaConfig
+
+
+def test_workload_is_seeded_and_in_range():
+    a, b = make_workload(seed=3), make_workload(seed=3)
+    assert a == b and a != make_workload(seed=4)
+    assert len(a.prompts) == 32 and all(30 <= len(p) <= 400 for p in a.prompts)
+    assert set(a.output_lens) <= set(OUTPUT_LENS) and len(set(a.output_lens)) > 1
+    with pytest.raises(ValueError, match="min_prompt <= max_prompt"):
+        make_workload(min_prompt=50, max_prompt=10)
+
+
+def test_workload_flops_by_hand():
+    """One request, a 3-token prompt and 2 outputs: 3 prompt tokens and 1 fed-back token through every layer,
+    causal attention over 1+2+3 keys then 4 keys, the LM head on the 2 sampled rows."""
+    cfg = LlamaConfig()
+    w = make_workload(1, 3, 3, (2,), seed=0)
+    hs, kv, inter, heads_dim = 576, 3 * 64, 1536, 9 * 64
+    per_token = 2 * (hs * heads_dim + 2 * hs * kv + heads_dim * hs + 3 * hs * inter)
+    attention = 2 * 2 * heads_dim * ((1 + 2 + 3) + 4)
+    expected = 30 * (4 * per_token + attention) + 2 * 2 * hs * cfg.vocab_size
+    assert workload_flops(cfg, w) == expected
+
+
+@pytest.mark.slow
+def test_tiny_benchmark_run(smollm, hf_oracle):
+    w = make_workload(3, 8, 20, (2, 3), seed=1)
+    report = run_benchmark(w, ("minillm", "hf-padded", "roofline"), model=smollm[0], tokenizer=smollm[1],
+                           hf_model=hf_oracle, matmul_seconds=0.2)
+    tps = report["tokens_per_second"]
+    assert set(tps) == {"minillm", "hf-padded", "roofline"} and all(v > 0 for v in tps.values())
+    assert report["greedy_vs_hf-padded"]["real_divergences"] == 0
+    assert report["greedy_vs_hf-padded"]["identical"] + report["greedy_vs_hf-padded"]["near_tie_divergences"] == 3
+    text = format_report(report)
+    assert "minillm reaches" in text and "hf-padded" in text

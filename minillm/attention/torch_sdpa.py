@@ -46,6 +46,7 @@ class _Prefill:
 class _DecodeGroup:
     rows: torch.Tensor               # [n] flat rows of these decode requests
     block_table: torch.Tensor        # [n, num_blocks] int64, cut to the blocks the longest one needs
+    block_ids: torch.Tensor          # [n * num_blocks] the same, flattened (for index_select)
     mask: torch.Tensor               # [n, 1, 1, num_blocks * block_size] additive: 0 (attend) or -inf (padding)
 
 
@@ -112,8 +113,9 @@ class SDPAPlan:
         positions = torch.arange(num_blocks * block_size, device=device)
         mask = torch.zeros(len(reqs), 1, 1, num_blocks * block_size, device=device)
         mask.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        return _DecodeGroup(torch.tensor([qsl[i] for i in reqs], dtype=torch.long, device=device),
-                            md.block_table[idx, :num_blocks].to(torch.long), mask)
+        table = md.block_table[idx, :num_blocks].to(torch.long)
+        return _DecodeGroup(torch.tensor([qsl[i] for i in reqs], dtype=torch.long, device=device), table,
+                            table.reshape(-1), mask)
 
 
 class TorchSDPAAttention:
@@ -154,9 +156,10 @@ class TorchSDPAAttention:
         group = num_heads // num_kv_heads
         for g in plan.decode_groups:
             n, nb = g.block_table.shape
-            # [n, nb, block_size, Hkv, D] -> [n, Hkv, nb * block_size, D]
-            kd = key_cache[g.block_table].view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
-            vd = value_cache[g.block_table].view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+            # index_select of whole blocks, [n * nb, block_size, Hkv, D] -> [n, Hkv, nb * block_size, D]. (Much
+            # faster on a CPU than the equivalent advanced indexing key_cache[block_table].)
+            kd = key_cache.index_select(0, g.block_ids).view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+            vd = value_cache.index_select(0, g.block_ids).view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
             qd = q[g.rows].view(n, num_kv_heads, group, head_dim)  # query heads of one K/V head side by side
             od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask.to(q.dtype))
             out[g.rows] = od.reshape(n, num_heads, head_dim)
@@ -167,8 +170,8 @@ class TorchSDPAAttention:
                 op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
                                                     vp.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)
             else:
-                kp = flat_k[p.slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
-                vp = flat_v[p.slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
+                kp = flat_k.index_select(0, p.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                vp = flat_v.index_select(0, p.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
             out[p.start:p.end] = op[0].transpose(0, 1)
         return out

@@ -255,6 +255,18 @@ def test_bad_request_ids_are_refused(engine):
     assert_all_blocks_free(engine)
 
 
+def test_logprobs_of_the_sampled_tokens(engine):
+    engine.add_request("lp", "The capital of France is", SamplingParams.greedy(max_tokens=3, logprobs=2))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    c = outs[-1].outputs[0]
+    assert len(c.logprobs) == 3
+    for token, entry in zip(c.token_ids, c.logprobs):
+        assert token in entry and len(entry) <= 3 and entry[token] == max(entry.values()) <= 0.0  # greedy: the top
+    assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)))
+
+
 def test_max_tokens_none_fills_the_context(engine):
     engine.add_request("fill", [5] * 250, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     outs = []

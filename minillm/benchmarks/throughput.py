@@ -192,13 +192,28 @@ def compare_greedy(ours: list[list[int]], theirs: list[list[int]], hf_model: Any
     return {"identical": identical, "near_tie_divergences": ties, "real_divergences": real}
 
 
-def load_hf_model() -> Any:
+def load_hf_model(progress: bool = False) -> Any:
+    """transformers' own fp32 model of the course's GGUF file (the peer and the oracle), quietly by default."""
+    import functools
+
     from transformers import AutoModelForCausalLM
 
     from minillm.loaders.model_path import default_model_path
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    try:  # transformers' GGUF conversion draws its own progress bar, ignoring its progress-bar switch
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None and not progress:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
 
 
 def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any = None, tokenizer: Any = None,

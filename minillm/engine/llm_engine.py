@@ -228,6 +228,10 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0 and not self.scheduler.running:
+            # Nothing runs and the first waiting request cannot be admitted: no later step can change that.
+            raise RuntimeError(f"the engine cannot make progress: {self.get_num_unfinished_requests()} request(s) "
+                               f"wait but none fits the KV cache ({self.get_num_free_blocks()} free blocks)")
         for new in scheduler_output.scheduled_new_reqs:
             state = self.output_processor.request_states.get(new.req_id)
             if state is not None:

@@ -1,8 +1,9 @@
 """Helpers shared by the engine tests: a tiny random Llama, a no-cache greedy reference, the divergence rule."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import pytest
 import torch
 
 from minillm.config import LlamaConfig
@@ -11,6 +12,20 @@ from minillm.model.llama import LlamaForCausalLM
 # Two greedy runs may pick different tokens only where the two best logits are closer than this: fp32 rounding of
 # a different (but equally correct) summation order moves logits by ~1e-5 at most on SmolLM2.
 TIE_GAP = 1e-4
+
+@pytest.fixture(scope="module")
+def single_thread() -> Iterator[None]:
+    """Run a module's tests with one torch thread, then restore the count.
+
+    Engine steps are many small ops (decodes of a few rows, a tiny model). With two threads on two cores that are
+    also busy (a second xdist worker, other processes), every op waits at an OpenMP barrier for a descheduled
+    thread, which we measured to make these tests 3-5x slower in CPU time. One thread per process avoids it.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 TINY = LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,

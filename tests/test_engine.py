@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.sampling_params import SamplingParams
-from tests.engine_helpers import TINY, check_greedy_match, greedy_reference, tiny_model
+from tests.engine_helpers import TINY, check_greedy_match, greedy_reference, single_thread, tiny_model  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 _TINY_MODEL = tiny_model()
 _REFERENCE: dict[tuple[int, ...], tuple[list[int], list[torch.Tensor]]] = {}

@@ -16,9 +16,10 @@ import minillm
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.sampling_params import SamplingParams
-from tests.engine_helpers import check_greedy_match
+from tests.engine_helpers import check_greedy_match, single_thread  # noqa: F401
 from tests.prompts import LONG_TEXT
 
+pytestmark = pytest.mark.usefixtures("single_thread")
 MAX_TOKENS = 8
 SYSTEM = ("You are a careful assistant for a river town. You answer questions about boats, bread, weather and "
           "schoolwork in short, plain sentences, and you say so when you do not know something.")

@@ -9,6 +9,9 @@ import pytest
 import minillm
 from minillm.entrypoints.llm import LLM
 from minillm.sampling_params import SamplingParams
+from tests.engine_helpers import single_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 

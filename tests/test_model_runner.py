@@ -12,7 +12,9 @@ from minillm.config import LlamaConfig
 from minillm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minillm.sampling_params import SamplingParams
 from minillm.worker.model_runner import ModelRunner
-from tests.engine_helpers import tiny_model
+from tests.engine_helpers import single_thread, tiny_model  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # -- the SDPA backend equals the per-request reference -----------------------------------------------------------------

@@ -6,6 +6,7 @@ import pytest
 from minillm.benchmarks.throughput import (OUTPUT_LENS, format_report, make_workload, run_benchmark,
                                            workload_flops)
 from minillm.config import LlamaConfig
+from tests.engine_helpers import single_thread  # noqa: F401
 
 
 def test_workload_is_seeded_and_in_range():
@@ -30,6 +31,7 @@ def test_workload_flops_by_hand():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("single_thread")
 def test_tiny_benchmark_run(smollm, hf_oracle):
     w = make_workload(3, 8, 20, (2, 3), seed=1)
     report = run_benchmark(w, ("minillm", "hf-padded", "roofline"), model=smollm[0], tokenizer=smollm[1],

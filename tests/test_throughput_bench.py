@@ -35,8 +35,9 @@ def test_workload_flops_by_hand():
 def test_tiny_benchmark_run(smollm, hf_oracle):
     w = make_workload(3, 8, 20, (2, 3), seed=1)
     report = run_benchmark(w, ("minillm", "hf-padded", "roofline"), model=smollm[0], tokenizer=smollm[1],
-                           hf_model=hf_oracle, matmul_seconds=0.2)
+                           hf_model=hf_oracle, matmul_seconds=0.2, repeat=2)
     tps = report["tokens_per_second"]
+    assert report["repeat"] == 2
     assert set(tps) == {"minillm", "hf-padded", "roofline"} and all(v > 0 for v in tps.values())
     assert report["greedy_vs_hf-padded"]["real_divergences"] == 0
     assert report["greedy_vs_hf-padded"]["identical"] + report["greedy_vs_hf-padded"]["near_tie_divergences"] == 3

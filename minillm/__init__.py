@@ -9,6 +9,10 @@ Start with::
 """
 from minillm.config import LlamaConfig, SchedulerConfig
 from minillm.core import KVCacheManager
+from minillm.engine.arg_utils import EngineArgs
+from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.outputs import CompletionOutput, RequestOutput
+from minillm.entrypoints.llm import LLM
 from minillm.generate import generate, generate_tokens
 from minillm.loaders.load import load_model
 from minillm.loaders.model_path import default_model_path
@@ -19,6 +23,6 @@ from minillm.tokenizer import chat_prompt_ids, load_tokenizer
 
 __version__ = "0.1.0"
 
-__all__ = ["KVCacheManager", "LlamaConfig", "LlamaForCausalLM", "Request", "RequestStatus", "SamplingParams",
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "KVCacheManager", "LlamaConfig", "LlamaForCausalLM", "Request", "RequestStatus", "SamplingParams",
            "SchedulerConfig", "chat_prompt_ids", "default_model_path", "generate", "generate_tokens", "load_model",
            "load_tokenizer"]

@@ -22,9 +22,8 @@ from minillm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComp
                                                   ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                                   ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
                                                   random_uuid)
-from minillm.entrypoints.openai.serving_completion import sse, usage_of
 from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
-                                                        error_body, reject_unsupported)
+                                                        reject_unsupported, sse, stream_error, usage_of)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -67,9 +66,7 @@ class OpenAIServingChat(OpenAIServing):
     async def chat_completion_full_generator(self, collector: Any,
                                              prompt_len: int) -> ChatCompletionResponse | None:
         """Wait for the final output; ``None`` if the request ended without one (aborted)."""
-        final = None
-        async for out in self.engine_client.stream_outputs(collector):
-            final = out
+        final = await self.final_output(collector)
         if final is None:
             return None
         o = final.outputs[0]
@@ -112,5 +109,5 @@ class OpenAIServingChat(OpenAIServing):
                                                        model=self.served_model_name, choices=[],
                                                        usage=usage_of(prompt_len, num_tokens)).model_dump_json())
         except Exception as e:  # noqa: BLE001 - the status line is sent already; report inside the stream
-            yield sse(json.dumps(error_body(f"{type(e).__name__}: {e}", "internal_error", code="internal_error")))
+            yield stream_error(e)
         yield sse("[DONE]")

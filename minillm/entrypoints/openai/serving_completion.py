@@ -10,25 +10,14 @@ vLLM counterpart: ``vllm/entrypoints/openai/serving_completion.py`` (``OpenAISer
 """
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, AsyncIterator
 
 from minillm.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
                                                   CompletionResponseStreamChoice, CompletionStreamResponse,
-                                                  UsageInfo, random_uuid)
+                                                  random_uuid)
 from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
-                                                        error_body, reject_unsupported)
-
-
-def sse(data: str) -> str:
-    """One server-sent event: ``data: <payload>`` and a blank line."""
-    return f"data: {data}\n\n"
-
-
-def usage_of(prompt_len: int, completion_len: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_len,
-                     total_tokens=prompt_len + completion_len)
+                                                        reject_unsupported, sse, stream_error, usage_of)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -70,9 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def completion_full_generator(self, collector: Any, prompt_len: int) -> CompletionResponse | None:
         """Wait for the final output; ``None`` if the request ended without one (aborted)."""
-        final = None
-        async for out in self.engine_client.stream_outputs(collector):
-            final = out
+        final = await self.final_output(collector)
         if final is None:
             return None
         o = final.outputs[0]
@@ -109,6 +96,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                                  usage=usage_of(prompt_len, num_tokens))
                 yield sse(chunk.model_dump_json())
         except Exception as e:  # noqa: BLE001 - the status line is sent already; report inside the stream
-            yield sse(json.dumps(error_body(f"{type(e).__name__}: {e}", "internal_error", code="internal_error")))
+            yield stream_error(e)
         yield sse("[DONE]")
 

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from minillm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel
+from minillm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel, UsageInfo
 from minillm.entrypoints.openai.sampling import to_sampling_params
 from minillm.sampling_params import SamplingParams
 
@@ -172,3 +172,26 @@ class OpenAIServing:
             return await self.engine_client.add_request(request_id, prompt_ids, params, priority=priority)
         except ValueError as e:
             raise OpenAIRequestError(str(e), param=param_of(str(e)) or param) from e
+
+    async def final_output(self, collector: Any) -> Any:
+        """Drain the request's outputs and return the last one; ``None`` if it ended without one (aborted)."""
+        final = None
+        async for out in self.engine_client.stream_outputs(collector):
+            final = out
+        return final
+
+
+def sse(data: str) -> str:
+    """One server-sent event: ``data: <payload>`` and a blank line."""
+    return f"data: {data}\n\n"
+
+
+def usage_of(prompt_len: int, completion_len: int) -> UsageInfo:
+    """OpenAI's ``usage`` counts for one answer."""
+    return UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_len,
+                     total_tokens=prompt_len + completion_len)
+
+
+def stream_error(e: Exception) -> str:
+    """The SSE event that reports a failure after the 200 status line of a stream was already sent."""
+    return sse(json.dumps(error_body(f"{type(e).__name__}: {e}", "internal_error", code="internal_error")))

@@ -93,12 +93,6 @@ class RecordingKVCache(ContiguousKVCache):
         self.visible_pairs = 0
         self.computed_pairs = 0
 
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, capacity: int = 256) -> "RecordingKVCache":
-        cfg = model.config
-        p = next(model.parameters())
-        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device, capacity)
-
     @property
     def kv_bytes_read(self) -> int:
         """``kv_elements_read`` times the cache's element size."""

@@ -27,7 +27,8 @@ class ContiguousKVCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, capacity: int = 256) -> "ContiguousKVCache":
-        """An empty cache shaped for ``model`` (a :class:`~minillm.model.llama.LlamaForCausalLM`)."""
+        """An empty cache shaped for ``model`` (a :class:`~minillm.model.llama.LlamaForCausalLM`); subclasses get their
+        own type."""
         cfg = model.config
         p = next(model.parameters())
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device, capacity)

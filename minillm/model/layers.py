@@ -1,8 +1,8 @@
 """The building blocks of a Llama layer, in plain PyTorch.
 
 vLLM counterparts: ``vllm/model_executor/layers/layernorm.py`` (``RMSNorm``),
-``vllm/model_executor/layers/rotary_embedding`` (``get_rope``), ``vllm/model_executor/layers/activation.py``
-(``SiluAndMul``).
+``vllm/model_executor/layers/rotary_embedding`` (``get_rope``). The SwiGLU activation is inlined in
+:class:`~minillm.model.llama.LlamaMLP` (vLLM: ``SiluAndMul`` in ``vllm/model_executor/layers/activation.py``).
 """
 from __future__ import annotations
 
@@ -106,11 +106,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     out[..., :half] -= x2 * sin[..., :half]
     out[..., half:] += x1 * sin[..., half:]
     return out.to(x.dtype)
-
-
-class SiluAndMul(nn.Module):
-    """SwiGLU's gate: input ``[num_tokens, 2 * d]`` holds gate and up halves; returns ``silu(gate) * up``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return nn.functional.silu(x[..., :d]) * x[..., d:]

@@ -103,10 +103,15 @@ def measure_matmul_flops(config: LlamaConfig, seconds: float = 2.0, rows: int = 
 
 @dataclass
 class PeerResult:
+    """One timed run: wall seconds, and the CPU seconds this process spent (all its threads), which other
+    processes on a busy machine do not inflate; ``num_steps`` is the number of forward passes where known."""
+
     name: str
     seconds: float
     output_tokens: int
     tokens: list[list[int]] = field(default_factory=list, repr=False)
+    cpu_seconds: float = float("nan")
+    num_steps: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -120,12 +125,13 @@ def run_minillm(model: Any, tokenizer: Any, workload: Workload, **engine_args: A
     llm = LLM(model, tokenizer=tokenizer, **engine_args)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = [o.outputs[0].token_ids for o in outs]
     assert [len(t) for t in tokens] == workload.output_lens
-    return PeerResult("minillm", seconds, workload.num_output_tokens, tokens)
+    return PeerResult("minillm", seconds, workload.num_output_tokens, tokens, cpu_seconds=cpu,
+                      num_steps=llm.llm_engine.stats.num_steps)
 
 
 @torch.inference_mode()
@@ -136,12 +142,13 @@ def run_hf_padded(hf_model: Any, workload: Workload, pad_token_id: int = 0) -> P
     for i, p in enumerate(workload.prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(workload.output_lens),
                             do_sample=False, eos_token_id=None, pad_token_id=pad_token_id)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = [out[i, width:width + n].tolist() for i, n in enumerate(workload.output_lens)]
-    return PeerResult("hf-padded", seconds, workload.num_output_tokens, tokens)
+    return PeerResult("hf-padded", seconds, workload.num_output_tokens, tokens, cpu_seconds=cpu,
+                      num_steps=max(workload.output_lens))
 
 
 @torch.inference_mode()

@@ -73,6 +73,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # Prefix caching: hashes of this request's full blocks, filled in by the KV cache manager.
         self.block_hashes: list[Any] = []
+        # Speculative decoding: draft tokens proposed after the last step, verified in the next one. They are not
+        # part of all_token_ids until the model accepts them.
+        self.spec_token_ids: list[int] = []
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -82,6 +85,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """``num_tokens`` plus the draft tokens waiting to be verified."""
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

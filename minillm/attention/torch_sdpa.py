@@ -5,13 +5,16 @@ through the block table, then attend. Called for every layer, that loop costs ``
 Python-level operations per step, which dominates a decode step of 32 requests on a CPU. This backend keeps the
 same semantics but groups the work, planned **once per step** (not once per layer) by :class:`SDPAPlan`:
 
-- **decodes** (``query_len == 1``): batched. Their block-table rows index the cache in one gather,
+- **decodes** (``query_len == 1``, or a few tokens: a decode plus its draft tokens under speculative decoding,
+  up to ``MAX_BATCHED_QUERY_LEN``): batched. Their block-table rows index the cache in one gather,
   ``key_cache[block_table] -> [n, num_blocks * block_size, num_kv_heads, head_dim]``, and one
   ``scaled_dot_product_attention`` call with a padding mask (``key position < seq_len``) attends them all. The
   gather copies every request's history padded to the longest one, so decodes are first sorted by length and cut
   into groups of similar lengths (padding below ~30%): the copy is the main cost of a decode's attention on a CPU.
   The ``num_queries_per_kv`` query heads that share a K/V head ride as the "query length" axis of SDPA
   (``[n, num_kv_heads, group, head_dim]``), so grouped-query attention needs no copy of K/V per query head.
+  With several query tokens per request (drafts), the axis holds ``query_len x group`` rows, padded to the
+  group's longest query, and the mask is causal with each request's context offset.
 - **prefills** (``query_len > 1``, whole prompts or chunks): one SDPA call each. A chunk with no cached context
   (a fresh prompt without a prefix-cache hit) attends to its own new K/V, so it skips the gather and uses SDPA's
   ``is_causal``; a later chunk (or a prefix-cache hit) gathers its history through precomputed slot indices and
@@ -44,10 +47,20 @@ class _Prefill:
 
 @dataclass
 class _DecodeGroup:
-    rows: torch.Tensor               # [n] flat rows of these decode requests
+    rows: torch.Tensor               # [n, max_q] flat rows of these requests' query tokens (short ones padded
+                                     # with their last row)
     block_table: torch.Tensor        # [n, num_blocks] int64, cut to the blocks the longest one needs
     block_ids: torch.Tensor          # [n * num_blocks] the same, flattened (for index_select)
-    mask: torch.Tensor               # [n, 1, 1, num_blocks * block_size] additive: 0 (attend) or -inf (padding)
+    mask: torch.Tensor               # [n, 1, max_q, num_blocks * block_size] additive: 0 (attend) or -inf
+    valid: torch.Tensor | None       # [n, max_q] bool, False on padding rows; None when max_q == 1
+
+    @property
+    def max_q(self) -> int:
+        return int(self.rows.shape[1])
+
+
+# Requests with at most this many query tokens are batched like decodes (a decode and its drafts).
+MAX_BATCHED_QUERY_LEN = 8
 
 
 # A decode group grows while its longest history is at most this much longer than its shortest.
@@ -77,7 +90,8 @@ class SDPAPlan:
             self.valid_rows = None
             self.valid_slots = slots
 
-        decodes = sorted((i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1), key=lambda i: seq_lens[i])
+        decodes = sorted((i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] <= MAX_BATCHED_QUERY_LEN),
+                         key=lambda i: seq_lens[i])
         groups: list[list[int]] = []
         for i in decodes:
             if groups and seq_lens[i] <= DECODE_GROUP_SPREAD * seq_lens[groups[-1][0]]:
@@ -90,8 +104,8 @@ class SDPAPlan:
         for i, seq_len in enumerate(seq_lens):
             a, b = qsl[i], qsl[i + 1]
             q_len = b - a
-            if q_len <= 1:
-                continue
+            if q_len <= MAX_BATCHED_QUERY_LEN:
+                continue  # batched with the decodes
             ctx = seq_len - q_len
             if ctx < 0:
                 raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
@@ -109,13 +123,19 @@ class SDPAPlan:
                       block_size: int, device: torch.device) -> _DecodeGroup:
         num_blocks = -(-max(seq_lens[i] for i in reqs) // block_size)
         idx = torch.tensor(reqs, dtype=torch.long, device=device)
-        lens = torch.tensor([seq_lens[i] for i in reqs], device=device)
+        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in reqs], device=device)
+        max_q = int(q_lens.max())
+        t = torch.arange(max_q, device=device)
+        t_valid = torch.minimum(t[None, :], q_lens[:, None] - 1)                       # [n, max_q]
+        rows = torch.tensor([qsl[i] for i in reqs], dtype=torch.long, device=device)[:, None] + t_valid
+        # Query token t of request i sits at position seq_len - q_len + t and sees the keys up to it.
+        last_key = torch.tensor([seq_lens[i] for i in reqs], device=device)[:, None] - q_lens[:, None] + t_valid
         positions = torch.arange(num_blocks * block_size, device=device)
-        mask = torch.zeros(len(reqs), 1, 1, num_blocks * block_size, device=device)
-        mask.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        mask = torch.zeros(len(reqs), 1, max_q, num_blocks * block_size, device=device)
+        mask.masked_fill_((positions[None, None, :] > last_key[:, :, None])[:, None], float("-inf"))
         table = md.block_table[idx, :num_blocks].to(torch.long)
-        return _DecodeGroup(torch.tensor([qsl[i] for i in reqs], dtype=torch.long, device=device), table,
-                            table.reshape(-1), mask)
+        valid = (t[None, :] < q_lens[:, None]) if max_q > 1 else None
+        return _DecodeGroup(rows, table, table.reshape(-1), mask, valid)
 
 
 class TorchSDPAAttention:
@@ -160,9 +180,19 @@ class TorchSDPAAttention:
             # faster on a CPU than the equivalent advanced indexing key_cache[block_table].)
             kd = key_cache.index_select(0, g.block_ids).view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
             vd = value_cache.index_select(0, g.block_ids).view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
-            qd = q[g.rows].view(n, num_kv_heads, group, head_dim)  # query heads of one K/V head side by side
-            od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask.to(q.dtype))
-            out[g.rows] = od.reshape(n, num_heads, head_dim)
+            if g.valid is None:  # one query token each: the query heads of one K/V head side by side
+                qd = q[g.rows[:, 0]].view(n, num_kv_heads, group, head_dim)
+                od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask.to(q.dtype))
+                out[g.rows[:, 0]] = od.reshape(n, num_heads, head_dim)
+                continue
+            # Several query tokens each: [n, max_q, H, D] -> [n, Hkv, max_q * group, D], rows (token, head).
+            mq = g.max_q
+            qd = q[g.rows].view(n, mq, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
+                n, num_kv_heads, mq * group, head_dim)
+            mask = g.mask.to(q.dtype).repeat_interleave(group, dim=2)  # [n, 1, max_q * group, L]
+            od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask)
+            od = od.view(n, num_kv_heads, mq, group, head_dim).transpose(1, 2).reshape(n, mq, num_heads, head_dim)
+            out[g.rows[g.valid]] = od[g.valid]
         for p in plan.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if p.slots is None:

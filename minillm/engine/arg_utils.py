@@ -14,6 +14,7 @@ given to the KV cache alone, which is simpler to reason about on a CPU.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,36 @@ def available_memory_bytes(device: str) -> int:
     return 8 * 1024 ** 3
 
 
+SPECULATIVE_METHODS = ("ngram",)
+_SPEC_KEYS = {"method": None, "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def parse_speculative_config(config: Any) -> dict | None:
+    """Check a ``speculative_config`` (a dict, its JSON text, or ``None``) and fill in the defaults."""
+    if config is None:
+        return None
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config must be a dict or its JSON text, got {config!r} ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config must be a dict or None, got {config!r}")
+    unknown = sorted(set(config) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: {sorted(_SPEC_KEYS)}")
+    out = {**_SPEC_KEYS, **config}
+    if out["method"] not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config['method'] must be one of {SPECULATIVE_METHODS}, got {out['method']!r}")
+    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        if not _is_int(out[key]) or out[key] < 1:
+            raise ValueError(f"speculative_config[{key!r}] must be a positive integer, got {out[key]!r}")
+    if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
+        raise ValueError(f"speculative_config: prompt_lookup_min ({out['prompt_lookup_min']}) must be <= "
+                         f"prompt_lookup_max ({out['prompt_lookup_max']})")
+    return out
+
+
 @dataclass
 class EngineArgs:
     """Everything that configures an engine (vLLM's names).
@@ -88,6 +119,11 @@ class EngineArgs:
         attention_backend: ``"torch"`` (vectorized PyTorch SDPA over the paged cache) or ``"triton"`` (the
             chapter-3 kernels); ``None``: ``"triton"`` on a GPU, ``"torch"`` on a CPU (where Triton is interpreted,
             hence very slow).
+        speculative_config: speculative decoding, off when ``None``. A dict (or its JSON text, as on vLLM's
+            command line) ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n_max,
+            "prompt_lookup_min": n_min}``: each step, every decoding request proposes up to ``k`` drafts by prompt
+            lookup and the model verifies them in the same forward pass (defaults ``k=3``, ``n_max=3``,
+            ``n_min=1``).
         dtype: weights, activations and KV cache: ``"auto"`` (fp32 on CPU, fp16 on GPU), ``"float32"``, ...
         device: ``"cpu"``, ``"cuda"``; ``None``: a GPU if there is one.
         seed: seeds the global generator that unseeded random sampling uses.
@@ -107,6 +143,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
+    speculative_config: dict | None = None
     dtype: str = "auto"
     device: str | None = None
     seed: int = 0
@@ -157,6 +194,7 @@ class EngineArgs:
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         device = self.device or default_device()

@@ -46,6 +46,7 @@ class EngineStats:
         num_generated_tokens: tokens appended to requests.
         num_preemptions: requests preempted (by recompute).
         num_cached_prompt_tokens: prompt tokens served from the prefix cache at admission.
+        num_draft_tokens / num_accepted_tokens: speculative decoding's drafts verified, and those the model kept.
     """
 
     num_steps: int = 0
@@ -53,6 +54,13 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of the verified drafts that were kept (``nan`` before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
 
 
 class LLMEngine:
@@ -87,7 +95,8 @@ class LLMEngine:
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_id: int | None = eos if eos is not None else model.config.eos_token_id
         self.model_runner = ModelRunner(model, self.num_gpu_blocks, args.block_size, self.attention_backend,
-                                        eos_token_id=self.eos_token_id)
+                                        eos_token_id=self.eos_token_id,
+                                        speculative_config=args.speculative_config)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats = EngineStats()
         torch.manual_seed(args.seed)  # the global generator unseeded random sampling draws from
@@ -161,6 +170,9 @@ class LLMEngine:
         bad = [t for t in (params.stop_token_ids or []) if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad}")
+        if self.engine_args.speculative_config is not None and params.logprobs is not None:
+            raise ValueError(f"logprobs={params.logprobs} is not supported with speculative decoding in minillm; "
+                             f"leave logprobs=None or create the engine without speculative_config")
         # A validated private copy: the caller may reuse (or mutate) its object for other requests.
         changes = {}
         if params.max_tokens is None:
@@ -244,10 +256,16 @@ class LLMEngine:
             self.scheduler.finish_requests(reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         finished = [o.request_id for o in outputs if o.finished]
         self.model_runner.remove_requests(finished)
+        self.scheduler.update_draft_token_ids(runner_output)  # after the stops above: finished ones get none
 
         if scheduler_output.total_num_scheduled_tokens:
             self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         self.stats.num_generated_tokens += sum(len(o.new_token_ids) for o in core_outputs)
         self.stats.num_preemptions += len(scheduler_output.preempted_req_ids)
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            if rid in runner_output.req_id_to_index:
+                self.stats.num_draft_tokens += len(drafts)
+                kept = len(runner_output.sampled_token_ids[runner_output.req_id_to_index[rid]]) - 1
+                self.stats.num_accepted_tokens += max(kept, 0)
         return outputs

@@ -14,13 +14,18 @@ Each step it
    :class:`~minillm.attention.paged.PagedAttention`);
 4. computes logits only for the requests whose scheduled tokens reach the end of what they have (a request still
    mid-prefill has nothing to predict yet), samples them all in one :class:`~minillm.sample.sampler.Sampler` call and
-   appends each sampled token to its request.
+   appends each sampled token to its request;
+5. with speculative decoding (``speculative_config``): a request's scheduled tokens end with its draft tokens, the
+   logits of its last ``drafts + 1`` rows go to the :class:`~minillm.sample.rejection_sampler.RejectionSampler`,
+   which keeps the drafts the model agrees with and adds one token of its own; then the
+   :class:`~minillm.spec_decode.ngram_proposer.NgramProposer` drafts the next step's tokens.
 
 vLLM counterpart: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``: ``_update_states``,
 ``_prepare_inputs``, ``execute_model``) with ``vllm/v1/worker/gpu_input_batch.py`` (``CachedRequestState``,
 ``InputBatch``) and ``vllm/v1/worker/block_table.py``. vLLM keeps the batch in persistent pinned buffers updated in
 place, computes the logits of every request (and rewinds the generators of the mid-prefill ones), and adds CUDA
-graphs, ``torch.compile``, speculative decoding, LoRA, multimodal inputs and pipeline/tensor parallelism.
+graphs, ``torch.compile``, draft-model and EAGLE speculative decoding, LoRA, multimodal inputs and pipeline/tensor
+parallelism.
 """
 from __future__ import annotations
 
@@ -36,8 +41,11 @@ from minillm.attention.torch_sdpa import TorchSDPAAttention
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sample.metadata import SamplingMetadata, make_generator
+from minillm.sample.rejection_sampler import RejectionSampler
 from minillm.sample.sampler import Sampler
 from minillm.sampling_params import SamplingParams, SamplingType
+from minillm.spec_decode.metadata import SpecDecodeMetadata
+from minillm.spec_decode.ngram_proposer import NgramProposer
 
 
 @dataclass
@@ -79,6 +87,7 @@ class BatchInputs:
         logits_indices: ``[num_reqs]`` int64, the last row of each request (``query_start_loc[1:] - 1``).
         sample_mask: ``[num_reqs]`` bool, ``True`` where this step's tokens reach the end of the request's tokens, so
             the logits at its ``logits_indices`` row predict a real new token.
+        draft_token_ids: per request, the draft tokens at the end of its rows (empty without speculative decoding).
     """
 
     req_ids: list[str]
@@ -87,6 +96,7 @@ class BatchInputs:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sample_mask: np.ndarray
+    draft_token_ids: list[list[int]]
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +129,8 @@ class ModelRunner:
         attention_backend: ``"torch"`` or ``"triton"``.
         kv_cache_dtype: the cache's dtype (default: the model's).
         eos_token_id: the EOS id that ``min_tokens`` blocks (default: the model config's).
+        speculative_config: ``None``, or a checked n-gram config (see
+            :func:`~minillm.engine.arg_utils.parse_speculative_config`): propose drafts after each step.
 
     Attributes:
         kv_caches: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads,
@@ -128,7 +140,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch",
-                 kv_cache_dtype: torch.dtype | None = None, eos_token_id: int | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, eos_token_id: int | None = None,
+                 speculative_config: dict | None = None) -> None:
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.model = model
@@ -140,6 +153,12 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_cache_dtype or model.dtype,
                                             self.device)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.drafter: NgramProposer | None = None
+        if speculative_config is not None:
+            self.drafter = NgramProposer(speculative_config["prompt_lookup_min"],
+                                         speculative_config["prompt_lookup_max"],
+                                         speculative_config["num_speculative_tokens"])
         self.requests: dict[str, CachedRequestState] = {}
         self.last_inputs: BatchInputs | None = None
         self.last_step_seconds = 0.0
@@ -185,12 +204,14 @@ class ModelRunner:
         req_idx = np.repeat(np.arange(num_reqs), num_sched)
         positions = np.arange(total, dtype=np.int64) - np.repeat(cu - num_sched - num_computed, num_sched)
         input_ids = np.empty(total, dtype=np.int64)
+        drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]
         for i, s in enumerate(states):
             c, n = int(num_computed[i]), int(num_sched[i])
-            if c + n > len(s.token_ids):
-                raise RuntimeError(f"request {s.req_id!r}: scheduled tokens {c}..{c + n} but the runner knows only "
-                                   f"{len(s.token_ids)} tokens")
-            input_ids[query_start_loc[i]:query_start_loc[i] + n] = s.token_ids[c:c + n]
+            tokens = s.token_ids + drafts[i] if drafts[i] else s.token_ids
+            if c + n != len(tokens) and (drafts[i] or c + n > len(tokens)):
+                raise RuntimeError(f"request {s.req_id!r}: scheduled tokens {c}..{c + n} but the runner knows "
+                                   f"{len(s.token_ids)} tokens and {len(drafts[i])} drafts")
+            input_ids[query_start_loc[i]:query_start_loc[i] + n] = tokens[c:c + n]
 
         max_blocks = max(len(s.block_ids) for s in states)
         if self._block_table_np.shape[0] < num_reqs or self._block_table_np.shape[1] < max_blocks:
@@ -203,7 +224,8 @@ class ModelRunner:
         slot_mapping = (block_table[req_idx, positions // self.block_size].astype(np.int64) * self.block_size
                         + positions % self.block_size)
         seq_lens = (num_computed + num_sched).astype(np.int32)
-        sample_mask = seq_lens == np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_reqs)
+        sample_mask = seq_lens == np.fromiter((len(s.token_ids) + len(d) for s, d in zip(states, drafts)),
+                                              dtype=np.int64, count=num_reqs)
 
         dev = self.device
         md = AttentionMetadata(
@@ -215,7 +237,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         return BatchInputs(req_ids, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
-                           torch.from_numpy(cu - 1).to(dev), sample_mask)
+                           torch.from_numpy(cu - 1).to(dev), sample_mask, drafts)
 
     def make_attention(self, md: AttentionMetadata):
         """The :class:`~minillm.attention.backend.AttentionImpl` of one step, for the configured backend."""
@@ -250,7 +272,9 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         rows = np.nonzero(inputs.sample_mask)[0]
         logprobs: dict[str, list[dict[int, float]]] | None = None
-        if len(rows):
+        if len(rows) and any(inputs.draft_token_ids[r] for r in rows):
+            self._verify_drafts(hidden, inputs, rows, sampled)
+        elif len(rows):
             row_idx = torch.from_numpy(rows).to(self.device)
             logits = self.model.compute_logits(hidden[inputs.logits_indices[row_idx]])
             states = [self.requests[inputs.req_ids[r]] for r in rows]
@@ -267,9 +291,39 @@ class ModelRunner:
                     if n is not None:
                         logprobs[s.req_id] = [dict(zip(ids[k][:n + 1], lps[k][:n + 1]))]
         for rid, seq_len in zip(inputs.req_ids, inputs.attn_metadata.seq_lens.tolist()):
-            self.requests[rid].num_computed_tokens = seq_len
+            self.requests[rid].num_computed_tokens = seq_len  # the scheduler sends the true value (drafts) next step
+        draft_token_ids = self._propose_drafts(inputs.req_ids, sampled) if self.drafter is not None else None
         self.last_step_seconds = time.perf_counter() - start
-        return ModelRunnerOutput(inputs.req_ids, {rid: i for i, rid in enumerate(inputs.req_ids)}, sampled, logprobs)
+        return ModelRunnerOutput(inputs.req_ids, {rid: i for i, rid in enumerate(inputs.req_ids)}, sampled, logprobs,
+                                 draft_token_ids)
+
+    def _verify_drafts(self, hidden: torch.Tensor, inputs: BatchInputs, rows: np.ndarray,
+                       sampled: list[list[int]]) -> None:
+        """The sampling step when drafts are in the batch: logits for each sampled request's last ``d + 1`` rows
+        (its drafts and the token before them), the rejection sampler, then append what it kept."""
+        drafts = [inputs.draft_token_ids[r] for r in rows]
+        ends = (inputs.query_start_loc[1:] - 1).tolist()
+        sel = torch.tensor([j for r, d in zip(rows, drafts) for j in range(ends[r] - len(d), ends[r] + 1)],
+                           dtype=torch.long, device=self.device)
+        spec = SpecDecodeMetadata.make(drafts)  # rows of hidden[sel]: each request's d + 1 rows in a row
+        logits = self.model.compute_logits(hidden[sel][spec.logits_indices.to(self.device)])
+        states = [self.requests[inputs.req_ids[r]] for r in rows]
+        out = self.rejection_sampler(spec, None, logits, self._sampling_metadata(states))
+        for r, s, tokens in zip(rows, states, RejectionSampler.parse_output(out.sampled_token_ids, self.vocab_size)):
+            s.token_ids.extend(tokens)
+            sampled[r] = tokens
+
+    def _propose_drafts(self, req_ids: list[str], sampled: list[list[int]]) -> list[list[int]]:
+        """Drafts for the next step of each request that just sampled, never more than its ``max_tokens`` leaves
+        room for (the token the next step samples itself included)."""
+        assert self.drafter is not None
+        drafts: list[list[int]] = []
+        for rid, tokens in zip(req_ids, sampled):
+            state = self.requests[rid]
+            max_tokens = getattr(state.sampling_params, "max_tokens", None)
+            room = self.drafter.k if max_tokens is None else max_tokens - len(state.output_token_ids) - 1
+            drafts.append(self.drafter.propose(state.token_ids)[:room] if tokens and room > 0 else [])
+        return drafts
 
     def remove_requests(self, request_ids) -> None:
         """Drop the runner's state of these requests (the engine calls it as soon as they finish)."""

@@ -85,6 +85,8 @@ class SchedulerOutput:
             they run in this step too.
         preempted_req_ids: requests preempted (by recompute) in this step; the runner drops their state.
         finished_req_ids: requests that finished since the previous step; the runner drops their state.
+        scheduled_spec_decode_tokens: request id -> the draft tokens it verifies this step (speculative decoding
+            only). They are the last ``len(drafts)`` of its ``num_scheduled_tokens``.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -93,6 +95,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
@@ -110,12 +113,15 @@ class ModelRunnerOutput:
             request still mid-prefill gets a row too, but its token is meaningless and the scheduler drops it.
         logprobs: request id -> one ``{token_id: logprob}`` per sampled token (the sampled token first, then the
             most likely ones), only for requests that asked for ``logprobs``; ``None`` when none did.
+        draft_token_ids: per row, the drafts proposed for the next step (speculative decoding only; ``None``
+            otherwise). With drafts, ``sampled_token_ids`` holds the accepted drafts then one more token.
     """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[dict[int, float]]] | None = None
+    draft_token_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -16,11 +16,16 @@ One step, in this order:
    stops).
 3. ``num_computed_tokens`` advances right away by what was scheduled, so the next step can schedule the next chunk.
 
+With speculative decoding a running request also carries ``spec_token_ids``, drafts of its next tokens: it asks
+for ``num_tokens_with_spec - num_computed_tokens`` tokens (its last sampled token plus the drafts), and after the
+step ``num_computed_tokens`` is moved back by the number of drafts the model rejected (their K/V slots are simply
+overwritten later).
+
 The budget ``max_num_batched_tokens`` covers *all* tokens of the step, including those of requests admitted from
 the waiting queue in this very step: they are moved to RUNNING and run in this step's forward pass.
 
 vLLM counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``, ``_preempt_request``,
-``update_from_output``, ``finish_requests``). vLLM adds speculative decoding, multimodal encoder budgets, LoRA,
+``update_from_output``, ``update_draft_token_ids``, ``finish_requests``). vLLM adds multimodal encoder budgets, LoRA,
 structured output, KV transfer between instances, async scheduling and pipeline parallelism.
 """
 from __future__ import annotations
@@ -58,6 +63,7 @@ class StepState:
     scheduled_new_reqs: list[Request] = field(default_factory=list)
     scheduled_resumed_reqs: list[Request] = field(default_factory=list)
     preempted_reqs: list[Request] = field(default_factory=list)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def schedule(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
         """Record ``num_new_tokens`` for ``request`` and charge them to the budget."""
@@ -70,6 +76,7 @@ class StepState:
         self.scheduled_running_reqs.remove(request)
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
         del self.req_to_new_block_ids[request.request_id]
+        self.scheduled_spec_decode_tokens.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -174,6 +181,7 @@ class Scheduler:
             total_num_scheduled_tokens=total_num_scheduled_tokens,
             preempted_req_ids={r.request_id for r in step.preempted_reqs},
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_decode_tokens=dict(step.scheduled_spec_decode_tokens),
         )
         self._update_after_schedule(scheduler_output)
         return scheduler_output
@@ -184,16 +192,22 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, step.token_budget)
+            # Drafts must not run past the last position the model may see.
+            num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
 
             new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
             if new_blocks is None:
                 break  # it preempted itself: no memory left for anyone after it either
             step.scheduled_running_reqs.append(request)
             step.schedule(request, num_new_tokens, [b.block_id for b in new_blocks])
+            num_scheduled_spec = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            if request.spec_token_ids and num_scheduled_spec > 0:
+                # The budget may cut the drafts short: only the scheduled ones are verified.
+                step.scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_scheduled_spec]
             # Under the priority policy a victim may sit before this request; find where it is now.
             req_index = self.running.index(request) + 1
 
@@ -225,6 +239,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.waiting.prepend_request(request)
 
@@ -303,6 +318,11 @@ class Scheduler:
             if request.num_computed_tokens < request.num_tokens:
                 continue  # still mid-prefill: its sampled token followed a partial prompt, so it is meaningless
             new_token_ids = list(model_runner_output.sampled_token_ids[model_runner_output.req_id_to_index[rid]])
+            scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if scheduled_spec:
+                # The K/V of rejected drafts were written but are not part of the sequence: step back over them.
+                request.num_computed_tokens -= len(scheduled_spec) + 1 - len(new_token_ids)
+                request.spec_token_ids = []
             finished = False
             for i, token_id in enumerate(new_token_ids, 1):
                 request.append_output_token_ids(token_id)
@@ -319,3 +339,15 @@ class Scheduler:
         if stopped:
             self.running = [r for r in self.running if id(r) not in stopped]
         return outputs
+
+    def update_draft_token_ids(self, model_runner_output: Any) -> None:
+        """Store the drafts the runner proposed (``model_runner_output.draft_token_ids``) on their requests, to be
+        verified next step. Finished or unknown requests, and requests still mid-prefill, get none."""
+        drafts = getattr(model_runner_output, "draft_token_ids", None)
+        if drafts is None:
+            return
+        for rid, draft in zip(model_runner_output.req_ids, drafts):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished() or request.num_computed_tokens < request.num_tokens - 1:
+                continue
+            request.spec_token_ids = list(draft)

@@ -25,7 +25,7 @@ def test_sdpa_backend_matches_paged_reference(data, block_size, num_reqs):
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=8)
     ctx = data.draw(st.lists(st.integers(0, 40), min_size=num_reqs, max_size=num_reqs))
-    new = data.draw(st.lists(st.sampled_from([1, 1, 2, 5, 17]), min_size=num_reqs, max_size=num_reqs))
+    new = data.draw(st.lists(st.sampled_from([1, 1, 2, 3, 5, 8, 9, 17]), min_size=num_reqs, max_size=num_reqs))
     num_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in zip(ctx, new))
     perm = data.draw(st.permutations(list(range(1, num_blocks))))  # blocks scattered through the cache
     block_ids, k0 = [], 0

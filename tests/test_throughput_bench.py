@@ -34,12 +34,15 @@ def test_workload_flops_by_hand():
 @pytest.mark.usefixtures("single_thread")
 def test_tiny_benchmark_run(smollm, hf_oracle):
     w = make_workload(3, 8, 20, (2, 3), seed=1)
-    report = run_benchmark(w, ("minillm", "hf-padded", "roofline"), model=smollm[0], tokenizer=smollm[1],
-                           hf_model=hf_oracle, matmul_seconds=0.2, repeat=2)
+    peers = ("minillm", "minillm-ngram", "hf-padded", "hf-batch", "roofline")
+    report = run_benchmark(w, peers, model=smollm[0], tokenizer=smollm[1], hf_model=hf_oracle,
+                           matmul_seconds=0.2, repeat=2)
     tps = report["tokens_per_second"]
     assert report["repeat"] == 2
-    assert set(tps) == {"minillm", "hf-padded", "roofline"} and all(v > 0 for v in tps.values())
-    assert report["greedy_vs_hf-padded"]["real_divergences"] == 0
-    assert report["greedy_vs_hf-padded"]["identical"] + report["greedy_vs_hf-padded"]["near_tie_divergences"] == 3
+    assert set(tps) == set(peers) and all(v > 0 for v in tps.values())
+    for ours in ("minillm", "minillm-ngram"):
+        for peer in ("hf-padded", "hf-batch"):
+            same = report[f"greedy_{ours}_vs_{peer}"]
+            assert same["real_divergences"] == 0 and same["identical"] + same["near_tie_divergences"] == 3, same
     text = format_report(report)
-    assert "minillm reaches" in text and "hf-padded" in text
+    assert "minillm reaches" in text and "minillm-ngram reaches" in text and "hf-batch" in text

@@ -38,7 +38,9 @@ from minillm.analysis.flops import layer_flops, lm_head_flops
 from minillm.config import LlamaConfig
 
 OUTPUT_LENS = (8, 16, 32, 64, 96)
-PEERS = ("minillm", "hf-padded", "hf-batch", "roofline")
+PEERS = ("minillm", "minillm-ngram", "hf-padded", "hf-batch", "roofline")
+# What the "minillm-ngram" peer adds to the engine arguments: prompt-lookup speculative decoding.
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 @dataclass
@@ -112,6 +114,7 @@ class PeerResult:
     tokens: list[list[int]] = field(default_factory=list, repr=False)
     cpu_seconds: float = float("nan")
     num_steps: int | None = None
+    acceptance_rate: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -130,8 +133,10 @@ def run_minillm(model: Any, tokenizer: Any, workload: Workload, **engine_args: A
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = [o.outputs[0].token_ids for o in outs]
     assert [len(t) for t in tokens] == workload.output_lens
+    stats = llm.llm_engine.stats
     return PeerResult("minillm", seconds, workload.num_output_tokens, tokens, cpu_seconds=cpu,
-                      num_steps=llm.llm_engine.stats.num_steps)
+                      num_steps=stats.num_steps,
+                      acceptance_rate=stats.acceptance_rate if stats.num_draft_tokens else None)
 
 
 @torch.inference_mode()
@@ -248,6 +253,8 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
     report: dict[str, Any] = {"num_requests": len(workload.prompts), "prompt_tokens": workload.num_prompt_tokens,
                               "output_tokens": workload.num_output_tokens, "threads": torch.get_num_threads()}
     runners = {"minillm": lambda: run_minillm(model, tokenizer, workload, **(engine_args or {})),
+               "minillm-ngram": lambda: run_minillm(model, tokenizer, workload,
+                                                    **{**(engine_args or {}), "speculative_config": NGRAM_SPEC}),
                "hf-padded": lambda: run_hf_padded(hf_model, workload),
                "hf-batch": lambda: run_hf_batch(hf_model, workload)}
     peak = 0.0
@@ -269,12 +276,16 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
         report.update(workload_gflop=flops / 1e9, matmul_gflops=peak / 1e9)
     report["tokens_per_second"] = tps
     report["seconds"] = {name: r.seconds for name, r in results.items()}
-    if "minillm" in tps:
-        report["minillm_over"] = {name: tps["minillm"] / v for name, v in tps.items() if name != "minillm"}
-    for peer in ("hf-padded", "hf-batch"):
-        if "minillm" in results and peer in results:
-            report[f"greedy_vs_{peer}"] = compare_greedy(results["minillm"].tokens, results[peer].tokens, hf_model,
-                                                          workload)
+    for ours in ("minillm", "minillm-ngram"):
+        if ours in tps:
+            report[f"{ours}_over"] = {name: tps[ours] / v for name, v in tps.items() if not name.startswith("minillm")}
+        for peer in ("hf-padded", "hf-batch"):
+            if ours in results and peer in results:
+                report[f"greedy_{ours}_vs_{peer}"] = compare_greedy(results[ours].tokens, results[peer].tokens,
+                                                                     hf_model, workload)
+    if "minillm-ngram" in results:
+        report["ngram_acceptance_rate"] = results["minillm-ngram"].acceptance_rate
+        report["ngram_spec"] = dict(NGRAM_SPEC)
     report["results"] = results
     return report
 
@@ -322,17 +333,23 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"workload: {report['num_requests']} requests, {report['prompt_tokens']} prompt tokens, "
              f"{report['output_tokens']} output tokens; torch threads: {report['threads']}; "
              f"best of {report.get('repeat', 1)} round(s)"]
-    lines.append(f"{'system':<12}{'tok/s':>10}{'minillm / it':>15}")
+    lines.append(f"{'system':<15}{'tok/s':>10}{'minillm / it':>15}{'minillm-ngram / it':>20}")
     for name, v in report["tokens_per_second"].items():
-        ratio = report.get("minillm_over", {}).get(name)
-        lines.append(f"{name:<12}{v:>10.1f}{'' if ratio is None else f'{ratio:>15.2f}'}")
-    if "roofline" in report["tokens_per_second"] and "minillm" in report["tokens_per_second"]:
-        frac = report["tokens_per_second"]["minillm"] / report["tokens_per_second"]["roofline"]
-        lines.append(f"minillm reaches {frac:.2f} of the roofline "
-                     f"({report['workload_gflop']:.0f} GFLOP at {report['matmul_gflops']:.1f} GFLOP/s)")
-    for peer in ("hf-padded", "hf-batch"):
-        if f"greedy_vs_{peer}" in report:
-            lines.append(f"greedy tokens vs {peer}: {report[f'greedy_vs_{peer}']}")
+        cells = [report.get(f"{ours}_over", {}).get(name) for ours in ("minillm", "minillm-ngram")]
+        lines.append(f"{name:<15}{v:>10.1f}" + "".join(" " * w if c is None else f"{c:>{w}.2f}"
+                                                       for c, w in zip(cells, (15, 20))))
+    tps = report["tokens_per_second"]
+    for ours in ("minillm", "minillm-ngram"):
+        if "roofline" in tps and ours in tps:
+            lines.append(f"{ours} reaches {tps[ours] / tps['roofline']:.2f} of the roofline "
+                         f"({report['workload_gflop']:.0f} GFLOP at {report['matmul_gflops']:.1f} GFLOP/s)")
+    if report.get("ngram_acceptance_rate") is not None:
+        lines.append(f"minillm-ngram: {report['ngram_spec']}, {report['ngram_acceptance_rate']:.0%} of the drafts "
+                     f"accepted")
+    for ours in ("minillm", "minillm-ngram"):
+        for peer in ("hf-padded", "hf-batch"):
+            if f"greedy_{ours}_vs_{peer}" in report:
+                lines.append(f"greedy tokens, {ours} vs {peer}: {report[f'greedy_{ours}_vs_{peer}']}")
     return "\n".join(lines)
 
 

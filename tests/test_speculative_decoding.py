@@ -175,10 +175,11 @@ def test_the_budget_and_max_model_len_cut_the_drafts():
     assert so.num_scheduled_tokens == {"r": 3} and so.scheduled_spec_decode_tokens == {"r": [51, 52]}
 
     sched = _scheduler(max_model_len=16)
-    req = _decoding_request(sched, list(range(1, 14)), 50)  # 14 tokens, 13 computed: positions up to 15 allowed
+    req = _decoding_request(sched, list(range(1, 14)), 50)  # 14 tokens, 13 computed
     req.spec_token_ids = [51, 52, 53, 54]
     so = sched.schedule()
-    assert so.num_scheduled_tokens == {"r": 3} and so.scheduled_spec_decode_tokens == {"r": [51, 52]}
+    # Positions 13 and 14 are fed; the token sampled after position 14 is the 16th and last one.
+    assert so.num_scheduled_tokens == {"r": 2} and so.scheduled_spec_decode_tokens == {"r": [51]}
 
 
 def test_update_draft_token_ids_skips_finished_and_prefilling_requests():

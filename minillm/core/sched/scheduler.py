@@ -196,8 +196,9 @@ class Scheduler:
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, step.token_budget)
-            # Drafts must not run past the last position the model may see.
-            num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
+            # Drafts must not run past max_model_len: the token sampled after the last fed position is the
+            # sequence's last, so the fed positions stop at max_model_len - 2 (as in vLLM).
+            num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
 
             new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
             if new_blocks is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -12,7 +13,8 @@ from minillm.model.llama import LlamaForCausalLM
 
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", tokenizer: bool = True):
+               device: torch.device | str = "cpu", tokenizer: bool = True
+               ) -> LlamaForCausalLM | tuple[LlamaForCausalLM, Any]:
     """Load a Llama model (and tokenizer) from a ``.gguf`` file or a Hugging Face directory.
 
     Args:

@@ -156,6 +156,11 @@ class LlamaForCausalLM(nn.Module):
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D [num_tokens] (tokens are laid out flat), got shape "
                              f"{tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if positions is not None and tuple(positions.shape) != tuple(input_ids.shape):
+            raise ValueError(f"positions must have the shape of input_ids {tuple(input_ids.shape)} (one position per "
+                             f"token), got {tuple(positions.shape)}")
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got min {int(input_ids.min())}, "
                              f"max {int(input_ids.max())}")

@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 
 # Below this temperature a request is sampled greedily (vLLM uses the same threshold, ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
+# The most top log-probabilities one token may ask for; vLLM's engine argument ``max_logprobs`` (default 20). Without
+# a bound, ``logprobs=10**6`` would only fail inside a step, in the sampler's ``topk``.
+MAX_LOGPROBS = 20
+# The seeds ``torch.Generator.manual_seed`` takes: any 64-bit value, signed or unsigned (a negative seed wraps
+# around, -1 is the same generator as 2**64 - 1). Outside this range it fails with "Overflow when unpacking long
+# long", and it would do so inside a step, so the range is checked here.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -39,19 +47,22 @@ class SamplingParams:
 
     Args:
         temperature: divides the logits; ``0`` means greedy (argmax). Must be ``>= 0``.
-        top_k: keep only the ``k`` most likely tokens; ``0`` or ``-1`` means all (stored as ``0``).
+        top_k: keep only the ``k`` most likely tokens; ``0`` or ``-1`` means all (stored as ``0``). Any ``k >= 1``
+            is accepted, as in vLLM; a ``k`` at least the vocabulary size keeps every token.
         top_p: keep the smallest set of most likely tokens whose probability sums to at least ``top_p``; in
             ``(0, 1]``, ``1`` means all.
         min_p: drop tokens whose probability is below ``min_p`` times the most likely token's; in ``[0, 1]``.
-        seed: a per-request random seed; the same seed gives the same tokens whatever else is in the batch.
+        seed: a per-request random seed; the same seed gives the same tokens whatever else is in the batch. An
+            integer in ``[-2**63, 2**64 - 1]`` (what ``torch.Generator.manual_seed`` accepts).
         max_tokens: the most tokens to generate (``>= 1``), or ``None`` for "until the context is full" (the
             OpenAI helper fills in ``max_model_len - prompt_len``).
         min_tokens: EOS and ``stop_token_ids`` are ignored until this many tokens are generated; ``<= max_tokens``.
-        stop: strings that end the generation when they appear in the detokenized output; the output is cut
-            just before the stop string (unless ``include_stop_str_in_output``).
-        stop_token_ids: token ids that end the generation (the token is kept in the output).
+        stop: a string or a list of strings that end the generation when they appear in the detokenized output;
+            the output is cut just before the stop string (unless ``include_stop_str_in_output``).
+        stop_token_ids: a list of token ids (``>= 0``) that end the generation (the token is kept in the output).
         ignore_eos: keep generating after the EOS token.
-        logprobs: how many top log-probabilities to return per token besides the sampled one, or ``None``.
+        logprobs: how many top log-probabilities to return per token besides the sampled one (``0`` to
+            :data:`MAX_LOGPROBS`), or ``None``.
         presence_penalty: subtracted once from the logit of every token already generated; in ``[-2, 2]``.
         frequency_penalty: subtracted from a token's logit once per time it was generated; in ``[-2, 2]``.
         repetition_penalty: logits of tokens seen in the prompt or output are divided by it (if positive) or
@@ -84,13 +95,24 @@ class SamplingParams:
 
     # ---------------------------------------------------------------- normalisation
     def _normalize(self) -> None:
+        # The container types are checked here, before list(): list(5) would raise a TypeError, and list("abc")
+        # would silently turn stop_token_ids="abc" into three characters.
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r} "
+                             f"({type(self.stop).__name__})")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r} "
+                             f"({type(self.stop_token_ids).__name__})")
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0  # vLLM accepts -1 as the old spelling of "no top-k"
 
@@ -125,7 +147,10 @@ class SamplingParams:
         mp = num("min_p")
         if not 0.0 <= mp <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        integer("seed", allow_none=True)
+        seed = integer("seed", allow_none=True)
+        if seed is not None and not MIN_SEED <= int(seed) <= MAX_SEED:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1] (what torch.Generator.manual_seed "
+                             f"accepts), got {self.seed}")
         mt = integer("max_tokens", allow_none=True)
         if mt is not None and mt < 1:
             raise ValueError(f"max_tokens must be at least 1 (or None), got {self.max_tokens}")
@@ -145,8 +170,9 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         lp = integer("logprobs", allow_none=True)
-        if lp is not None and lp < 0:
-            raise ValueError(f"logprobs must be >= 0 (or None), got {self.logprobs}")
+        if lp is not None and not 0 <= lp <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (vLLM's max_logprobs) or None, "
+                             f"got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = num(name)
             if not -2.0 <= v <= 2.0:

@@ -253,3 +253,26 @@ def test_logits_indices():
         compute_logits_indices(torch.tensor([0]))
     with pytest.raises(ValueError, match="empty"):
         SamplingMetadata.from_params([])
+
+
+@pytest.mark.parametrize("huge", [2**31, 2**63, 2**70])
+def test_a_huge_top_k_samples_like_no_top_k(huge):
+    """A top_k beyond the vocabulary keeps every token: same filtered distribution, same seeded draws as no top_k.
+    Values of 2**63 and more do not fit the int64 tensor and must be clamped, not overflow."""
+    V = 40
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(7)) * 2
+    with_k = [SamplingParams(seed=11, top_k=huge), SamplingParams(seed=12, top_k=huge, top_p=0.7),
+              SamplingParams(seed=13, top_k=5)]
+    without = [SamplingParams(seed=11), SamplingParams(seed=12, top_p=0.7), SamplingParams(seed=13, top_k=5)]
+    md_k, md_0 = SamplingMetadata.from_params(with_k), SamplingMetadata.from_params(without)
+    assert md_k.top_k.dtype == torch.int64 and md_k.top_k[2] == 5  # a normal k is stored unchanged
+    torch.testing.assert_close(Sampler.filtered_probs(logits, md_k), Sampler.filtered_probs(logits, md_0),
+                               rtol=0, atol=0)
+
+    def draws(params, steps=30):
+        gens = {i: make_generator(p.seed) for i, p in enumerate(params)}  # kept across steps, as the engine does
+        return [Sampler()(logits, SamplingMetadata.from_params(params, generators=gens)).sampled_token_ids[:, 0]
+                .tolist() for _ in range(steps)]
+
+    got, want = draws(with_k), draws(without)
+    assert got == want and len({tuple(t) for t in got}) > 1  # same tokens, and not one draw repeated

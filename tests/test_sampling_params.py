@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from minillm.sampling_params import SamplingParams, SamplingType
+from minillm.sample.metadata import make_generator
+from minillm.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams, SamplingType
 
 
 def test_defaults_match_vllm():
@@ -36,12 +37,20 @@ BAD = [
     ("top_p", 0.0, "top_p"), ("top_p", 1.01, "top_p"), ("top_p", -1, "top_p"),
     ("min_p", -0.01, "min_p"), ("min_p", 1.5, "min_p"),
     ("seed", 1.5, "seed"),
+    # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; past either end it fails inside a step.
+    ("seed", 2**70, r"seed must be an integer in \[-2\*\*63, 2\*\*64 - 1\].*got 1180591620717411303424"),
+    ("seed", 2**64, "got 18446744073709551616"), ("seed", -(2**63) - 1, "seed"),
     ("max_tokens", 0, "max_tokens"), ("max_tokens", -3, "max_tokens"), ("max_tokens", 2.0, "max_tokens"),
     ("min_tokens", -1, "min_tokens"),
     ("stop", [""], "empty"), ("stop", ["ok", 3], "stop"),
+    ("stop", 5, "stop must be a string or a list of strings, got 5"), ("stop", {"a": 1}, "stop"),
     ("stop_token_ids", [-1], "stop_token_ids"), ("stop_token_ids", ["a"], "stop_token_ids"),
+    ("stop_token_ids", 5, "stop_token_ids must be a list of non-negative integers, got 5"),
+    ("stop_token_ids", "12", "stop_token_ids must be a list"), ("stop_token_ids", [1.0], "stop_token_ids"),
     ("ignore_eos", 1, "ignore_eos"),
     ("logprobs", -1, "logprobs"),
+    ("logprobs", MAX_LOGPROBS + 1, r"logprobs must be in \[0, 20\] \(vLLM's max_logprobs\).*got 21"),
+    ("logprobs", 10**6, "max_logprobs"), ("logprobs", 2.0, "logprobs"),
     ("presence_penalty", 2.5, "presence_penalty"), ("presence_penalty", -2.01, "presence_penalty"),
     ("frequency_penalty", 3, "frequency_penalty"), ("frequency_penalty", -3, "frequency_penalty"),
     ("repetition_penalty", 0.0, "repetition_penalty"), ("repetition_penalty", -1.0, "repetition_penalty"),
@@ -72,3 +81,17 @@ def test_numpy_scalars_are_accepted():
 def test_boundaries_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, min_p=1.0, top_k=1, presence_penalty=-2.0, frequency_penalty=2.0,
                    logprobs=0, max_tokens=1, repetition_penalty=1e-3)
+
+
+def test_the_edges_that_are_accepted_work_downstream():
+    """Every accepted seed seeds a generator; a huge top_k is accepted (vLLM takes any k >= 1)."""
+    assert (MIN_SEED, MAX_SEED, MAX_LOGPROBS) == (-(2**63), 2**64 - 1, 20)
+    for seed in (MIN_SEED, -1, 0, 2**63, MAX_SEED):
+        p = SamplingParams(seed=seed)
+        assert p.sampling_type == SamplingType.RANDOM_SEED
+        make_generator(p.seed)  # must not raise
+    assert SamplingParams(logprobs=MAX_LOGPROBS).logprobs == 20
+    assert SamplingParams(top_k=2**70).top_k == 2**70
+    assert SamplingParams(stop=("a", "b"), stop_token_ids=[]).stop == ["a", "b"]
+    # The clone of a valid object is valid (clone re-validates every field).
+    assert SamplingParams(seed=MAX_SEED, top_k=2**70).clone(temperature=0.5).seed == MAX_SEED

@@ -3,9 +3,10 @@
 One server per module: ``python -m minillm.entrypoints.openai.api_server`` on a free loopback port, SmolLM2 with
 ``max_model_len=512``. Every generation is greedy and short. Checked: models, completions, chat ("Paris"),
 streaming (deltas joined == the non-streamed text), 16 concurrent streaming clients (each equal to its own
-non-streamed answer, and batched together), ``max_completion_tokens`` vs ``max_tokens`` vs the room left, usage
-counts, clients that hang up (request aborted, every KV block back, seen on ``GET /debug/kv_cache``) and the 400
-cases with OpenAI's error body.
+non-streamed answer, and batched together), ``max_completion_tokens`` vs ``max_tokens`` vs the room left (a larger
+limit is refused with a 400, as vLLM does), usage counts, clients that hang up (request aborted, every KV block back,
+seen on ``GET /debug/kv_cache``), the 400 cases with OpenAI's error body, and that values which used to fail only
+inside an engine step (a huge seed, top_k or top_logprobs) are refused or handled without stopping the engine loop.
 """
 import asyncio
 import json
@@ -236,6 +237,39 @@ def test_without_a_limit_a_chat_answer_may_fill_the_context(server, client):
     assert r.usage.total_tokens == MAX_MODEL_LEN
 
 
+def test_a_limit_larger_than_the_room_is_refused_not_lowered(server, client):
+    """vLLM's rule: a max_completion_tokens / max_tokens that does not fit next to the prompt is a 400 naming the
+    numbers; the engine never sees the request. Exactly the room is fine."""
+    messages = [{"role": "user", "content": QUESTION}]
+    chat_len = client.chat.completions.create(model=server.model, messages=messages, temperature=0,
+                                              max_completion_tokens=1).usage.prompt_tokens
+    prompt = "The capital of France is"
+    text_len = client.completions.create(model=server.model, prompt=prompt, temperature=0,
+                                         max_tokens=1).usage.prompt_tokens
+    before = kv_stats(server)["num_requests_total"]
+    for name, create, prompt_len in [
+            ("max_completion_tokens", lambda **kw: client.chat.completions.create(messages=messages, **kw), chat_len),
+            ("max_tokens", lambda **kw: client.chat.completions.create(messages=messages, **kw), chat_len),
+            ("max_tokens", lambda **kw: client.completions.create(prompt=prompt, **kw), text_len)]:
+        over = MAX_MODEL_LEN - prompt_len + 1
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=server.model, temperature=0, **{name: over})
+        assert e.value.status_code == 400 and e.value.code == "context_length_exceeded" and e.value.param == name
+        msg = e.value.body["message"]  # e.value.message has "Error code: 400 - " in front
+        assert msg.startswith(f"{name} is too large: {over}.") and f"{prompt_len} input tokens" in msg, msg
+        assert f"({over} > {MAX_MODEL_LEN} - {prompt_len})" in msg, msg
+    assert kv_stats(server)["num_requests_total"] == before  # refused before reaching the engine
+
+
+def test_a_huge_top_k_is_served_like_no_top_k(server, client):
+    """vLLM accepts any top_k >= 1; one beyond the vocabulary (even beyond int64) keeps every token."""
+    kw = dict(model=server.model, prompt="Once upon a time", temperature=1.0, max_tokens=6, seed=77)
+    plain = client.completions.create(**kw).choices[0].text
+    huge = client.completions.create(**kw, extra_body={"top_k": 2**70}).choices[0].text
+    assert huge == plain
+    assert server.http.get("/health").status_code == 200
+
+
 def test_a_streaming_client_that_hangs_up_is_aborted_and_its_blocks_freed(server):
     before = wait_idle(server)
     body = {"model": server.model, "prompt": "Count to one thousand: one, two,", "max_tokens": 400, "temperature": 0,
@@ -294,6 +328,23 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [999999]}, "prompt", "invalid_value"),
     ("completions", {"prompt": ""}, "prompt", "invalid_value"),
     ("completions", {"prompt": "Hello", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+    ("completions", {"prompt": "Hello", "logprobs": 21}, "logprobs", "unsupported_parameter"),
+    # Values that used to pass the checks and then fail inside an engine step.
+    ("completions", {"prompt": "Hello", "seed": 2**64}, "seed", "invalid_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**70}, "seed", "invalid_value"),
+    ("completions", {"prompt": "Hello", "seed": -(2**63) - 1}, "seed", "invalid_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "invalid_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                          "top_logprobs": 10**6}, "top_logprobs", "invalid_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": -1}, "top_logprobs",
+     "invalid_value"),
+    ("completions", {"prompt": "Hello", "stop": 5}, "stop", "invalid_type"),
+    ("completions", {"prompt": "Hello", "stop_token_ids": 5}, "stop_token_ids", "invalid_type"),
+    ("completions", {"prompt": "Hello", "stop_token_ids": [-1]}, "stop_token_ids", "invalid_value"),
+    ("completions", {"prompt": "Hello", "max_tokens": 600}, "max_tokens", "context_length_exceeded"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 600},
+     "max_completion_tokens", "context_length_exceeded"),
     ("completions", {"prompt": "hello " * 600}, "prompt", "context_length_exceeded"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hello " * 600}]}, "messages",
      "context_length_exceeded"),
@@ -313,6 +364,38 @@ def test_bad_requests_get_a_400_with_an_openai_error_body(server, route, body, p
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] == code, error
     assert isinstance(error["message"], str) and len(error["message"]) > 10
     assert kv_stats(server)["num_requests_total"] == before  # refused: nothing was queued in the engine
+
+
+def test_the_engine_loop_still_serves_after_the_bad_requests(server, client):
+    """None of the refused requests above may have stopped the one engine loop every request shares."""
+    assert server.http.get("/health").status_code == 200
+    r = client.completions.create(model=server.model, prompt="The capital of France is", temperature=0, max_tokens=2)
+    assert r.choices[0].text.startswith(" Paris")
+
+
+def test_an_unexpected_error_while_adding_one_request_fails_only_that_request():
+    """A bug hit while adding a request (not a ValueError the engine foresaw) is a 500 for that request alone; the
+    engine loop keeps serving the others. A fake engine stands in for the model."""
+    import httpx
+
+    from minillm.entrypoints.openai.api_server import BackgroundServer
+    from tests.test_async_llm import FakeEngine, expected_text
+
+    class BuggyAddEngine(FakeEngine):
+        def add_request(self, request_id, prompt, params, priority=0):
+            if prompt == [13]:
+                raise TypeError("unexpected: the fake engine cannot add prompt [13]")
+            return super().add_request(request_id, prompt, params, priority)
+
+    engine = BuggyAddEngine(step_delay=0.0)
+    with BackgroundServer(engine, served_model_name="fake") as server:
+        bad = httpx.post(server.url + "/v1/completions", json={"prompt": [13], "max_tokens": 2}, timeout=30)
+        assert bad.status_code == 500 and bad.json()["error"]["type"] == "internal_error", bad.text
+        assert httpx.get(server.url + "/health").status_code == 200
+        ok = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, timeout=30)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["text"] == expected_text(ok.json()["id"], 3)
+        assert server.app.state.engine_client.is_running
 
 
 def test_the_openai_client_sees_the_error_fields(server, client):

@@ -192,6 +192,8 @@ class AsyncLLM:
         Raises:
             ValueError: the engine refused the request (bad prompt or parameters, duplicate id); the message is
                 the engine's.
+            Exception: whatever else ``engine.add_request`` raised for this request; the engine loop goes on
+                serving the other requests.
             EngineDeadError: the engine thread has stopped.
         """
         if self._dead is not None:
@@ -285,6 +287,16 @@ class AsyncLLM:
         try:
             self.engine.add_request(rid, prompt, params, priority=priority)
         except ValueError as e:
+            collector._accept(e)
+            return
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop every other request shares
+            # Not a refusal the engine foresaw (that would be a ValueError) but a bug it hit while adding this
+            # request; the engine has not stepped with it, so failing this request alone keeps the rest intact.
+            logger.exception("adding request %r failed; refusing it and serving the others", rid)
+            try:
+                self.engine.abort_request([rid])  # drop whatever the failed add left half-registered
+            except Exception:  # noqa: BLE001 - the id may be unknown to the engine; that is fine
+                logger.debug("abort after a failed add of %r also failed", rid, exc_info=True)
             collector._accept(e)
             return
         self._counts["total"] += 1

@@ -12,6 +12,11 @@ import torch
 
 from minillm.sampling_params import SAMPLING_EPS, SamplingParams, SamplingType
 
+# The largest top_k put in the tensor. SamplingParams accepts any k >= 1 (as vLLM does), but a Python int of 2**63 or
+# more does not fit int64. A k at least the vocabulary size means "keep every token" (`apply_top_k_top_p`), and no
+# vocabulary comes near 2**31, so clamping there changes no result and fits int32 as well as int64.
+TOP_K_CLAMP = 2**31 - 1
+
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator for one seeded request. Keep it for the request's whole life: it must advance step by step."""
@@ -27,7 +32,8 @@ class SamplingMetadata:
     Attributes:
         temperature: float32 ``[num_reqs]``; 0 for greedy rows.
         all_greedy / all_random: shortcuts that skip the other path entirely.
-        top_k: int64 ``[num_reqs]`` (0 = off) or ``None`` when no row uses top-k.
+        top_k: int64 ``[num_reqs]`` (0 = off; values above ``TOP_K_CLAMP`` are stored as ``TOP_K_CLAMP``, which is
+            just as "off" for any real vocabulary) or ``None`` when no row uses top-k.
         top_p: float32 ``[num_reqs]`` or ``None`` when no row uses top-p.
         min_p: float32 ``[num_reqs]`` or ``None`` when no row uses min-p.
         generators: row index -> the ``torch.Generator`` of a seeded request; other rows use the global generator.
@@ -90,7 +96,7 @@ class SamplingMetadata:
 
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         temperature = f32([0.0 if g else float(p.temperature) for p, g in zip(params, greedy)])
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+        top_k = torch.tensor([min(int(p.top_k), TOP_K_CLAMP) for p in params], dtype=torch.int64, device=device)
         top_p = f32([p.top_p for p in params])
         min_p = f32([p.min_p for p in params])
         if generators is None:

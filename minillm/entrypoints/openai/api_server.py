@@ -21,8 +21,9 @@ request aborted (streaming: Starlette cancels the response generator; non-stream
 ``http.disconnect`` message and cancels the handler), which frees its KV blocks at once.
 
 Errors are OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, with status 400 for a bad
-request (malformed JSON, wrong types, out-of-range values, ``n != 1``, a prompt too long), 404 for an unknown model
-or route, 500 if the engine failed. See :mod:`minillm.entrypoints.openai.serving_engine`.
+request (malformed JSON, wrong types, out-of-range values, ``n != 1``, a prompt too long, an output limit larger
+than the room the prompt leaves), 404 for an unknown model or route, 500 if the engine failed. See
+:mod:`minillm.entrypoints.openai.serving_engine`.
 
 It listens on 127.0.0.1 by default: it has no authentication, so exposing it (``--host 0.0.0.0``) is a choice.
 

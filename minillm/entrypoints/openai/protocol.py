@@ -103,7 +103,8 @@ class _SamplingFields(OpenAIBaseModel):
 
 # ---------------------------------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: continue a text (or a list of token ids). ``max_tokens`` defaults to 16."""
+    """``POST /v1/completions``: continue a text (or a list of token ids). ``max_tokens`` defaults to 16 (fewer if
+    the prompt leaves less room); a ``max_tokens`` the client sends must fit in the room, else 400."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -175,7 +176,8 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: answer a conversation rendered with the model's chat template.
 
     ``max_completion_tokens`` is the current OpenAI name of the output limit; ``max_tokens`` its deprecated alias.
-    When both are given the former wins; when neither is, the answer may fill the context (``max_model_len``).
+    When both are given the former wins; when neither is, the answer may fill the context (``max_model_len``). A
+    limit larger than the room the prompt leaves is refused (400), not lowered. ``top_logprobs``: ``0..20``.
     """
 
     messages: list[ChatCompletionMessageParam] = Field(min_length=1)

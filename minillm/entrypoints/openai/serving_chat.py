@@ -3,7 +3,8 @@
 The messages are rendered with the model's own chat template (read from the GGUF file), ending with the
 assistant's header, and the token ids go to the engine. The output limit is ``max_completion_tokens`` if given,
 else the deprecated ``max_tokens``, else whatever room the context has left (``max_model_len - prompt_len``):
-only generated tokens count, never the prompt (learner question Q5).
+only generated tokens count, never the prompt (learner question Q5). A limit larger than that room is refused with
+a 400 (``context_length_exceeded``), as vLLM does.
 
 A streamed answer is: a first chunk with ``delta = {"role": "assistant", "content": ""}``, one chunk per step that
 produced text (``delta = {"content": "..."}``), a last chunk with ``finish_reason``, optionally a usage chunk
@@ -22,6 +23,7 @@ from minillm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComp
                                                   ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                                   ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
                                                   random_uuid)
+from minillm.entrypoints.openai.sampling import check_top_logprobs
 from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
                                                         reject_unsupported, sse, stream_error, usage_of)
 
@@ -50,6 +52,10 @@ class OpenAIServingChat(OpenAIServing):
         :class:`~minillm.entrypoints.openai.serving_engine.OpenAIRequestError`.
         """
         self.check_model(request)
+        try:  # an out-of-range value is an invalid value first, whether or not this server supports the field
+            check_top_logprobs(request.top_logprobs)
+        except ValueError as e:
+            raise OpenAIRequestError(str(e), param="top_logprobs") from e
         reject_unsupported(request, {"logprobs": False, "top_logprobs": None, "logit_bias": {}, "tools": [],
                                      "response_format": {"type": "text"}})
         ids = self.prompt_token_ids(request)

@@ -7,7 +7,11 @@ body by :meth:`OpenAIServing.create_error_response` (HTTP 400 unless said otherw
 * a field of the wrong type (``"temperature": "hot"``) -> ``code="invalid_type"``, ``param`` = the field;
 * a value out of range (``temperature=-1``, ``top_p=1.5``, ``n=2``) -> ``code="invalid_value"``, the message is
   :class:`~minillm.sampling_params.SamplingParams`' own;
-* a prompt with no room left for an answer -> ``code="context_length_exceeded"`` (OpenAI's code for it);
+* a prompt with no room left for an answer, or a ``max_tokens`` / ``max_completion_tokens`` larger than the room the
+  prompt leaves (vLLM refuses it too, it does not lower it) -> ``code="context_length_exceeded"`` (OpenAI's code for
+  it), ``param`` = the prompt's field or the limit's;
+* ``top_logprobs`` outside ``[0, 20]``, ``seed`` outside what a ``torch.Generator`` takes, ``logprobs`` above
+  ``max_logprobs`` -> ``code="invalid_value"``, refused here so that no bad value reaches the shared engine loop;
 * a ``model`` other than the one served -> 404, ``code="model_not_found"``.
 
 vLLM counterpart: ``vllm/entrypoints/openai/serving_engine.py`` (``OpenAIServing``, ``create_error_response``,
@@ -25,7 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from minillm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel, UsageInfo
-from minillm.entrypoints.openai.sampling import to_sampling_params
+from minillm.entrypoints.openai.sampling import ContextLengthExceededError, to_sampling_params
 from minillm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -162,6 +166,9 @@ class OpenAIServing:
         body = request.model_dump(exclude_unset=True)
         try:
             return to_sampling_params(body, prompt_len, self.max_model_len, api=api)
+        except ContextLengthExceededError as e:
+            raise OpenAIRequestError(str(e), param=e.param or param_of(str(e)),
+                                     code="context_length_exceeded") from e
         except ValueError as e:
             raise OpenAIRequestError(str(e), param=param_of(str(e))) from e
 

@@ -414,3 +414,19 @@ def test_simple_runner_on_the_real_model_matches_plain_greedy_generation(model, 
     assert max(run.step_tokens) <= 8
     assert run.first_token_step["a"] == -(-len(prompts[0]) // 8) - 1  # ceil(prompt / budget) steps of prefill
     assert len(run.itl["a"]) == 4 and run.throughput > 0
+
+
+def test_compare_schedulers_catches_a_forgotten_preemption_count():
+    """The check of exercise 4.3 compares each request's state too, not only the SchedulerOutputs: a preemption
+    that forgets ``num_preemptions += 1`` schedules exactly the same tokens, yet must be caught."""
+    from minillm.core.sched.fake_runner import compare_schedulers
+
+    class ForgetsToCount(Scheduler):
+        def _preempt_request(self, request):
+            before = request.num_preemptions
+            super()._preempt_request(request)
+            request.num_preemptions = before
+
+    assert compare_schedulers(Scheduler, num_workloads=20) > 0
+    with pytest.raises(AssertionError, match="num_preemptions"):
+        compare_schedulers(ForgetsToCount, num_workloads=20)

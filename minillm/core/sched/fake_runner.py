@@ -281,7 +281,9 @@ def compare_schedulers(scheduler_cls: type, reference_cls: type = Scheduler, num
     """Run ``scheduler_cls`` and ``reference_cls`` side by side on random workloads and small KV caches.
 
     Each workload draws its own budget, threshold, seat count, cache size and chunked-prefill setting. Both
-    schedulers see the same arrivals and the same fake runner; every step's :class:`SchedulerOutput` must match.
+    schedulers see the same arrivals and the same fake runner; every step's :class:`SchedulerOutput` must match, and
+    so must every request's status, ``num_computed_tokens``, ``num_preemptions`` and token count after the step.
+    Some workloads must preempt (the caches are small on purpose), or the comparison would not cover preemption.
 
     Raises:
         AssertionError: naming the workload, its configuration, the step and the first differing field.
@@ -290,7 +292,7 @@ def compare_schedulers(scheduler_cls: type, reference_cls: type = Scheduler, num
         The number of steps compared.
     """
     rng = random.Random(seed)
-    num_steps = 0
+    num_steps = num_preemptions = 0
     for w in range(num_workloads):
         block_size = rng.choice([2, 4, 8])
         max_model_len = 64
@@ -310,22 +312,34 @@ def compare_schedulers(scheduler_cls: type, reference_cls: type = Scheduler, num
         pending = sorted(enumerate(workload), key=lambda p: (p[1].arrival_step, p[0]))
         runners = [FakeModelRunner(num_blocks, block_size) for _ in scheds]
         step = 0
+        made: list[list[Request]] = [[], []]
         where = (f"workload {w} ({len(workload)} requests, {config}, num_gpu_blocks={num_blocks}, "
                  f"block_size={block_size}, prefix caching={caching})")
         while pending or scheds[1].has_unfinished_requests():
             while pending and pending[0][1].arrival_step <= step:
                 index, wr = pending.pop(0)
-                for s in scheds:
-                    s.add_request(wr.make_request(index))
+                for s, mine in zip(scheds, made):
+                    mine.append(wr.make_request(index))
+                    s.add_request(mine[-1])
             outs = [s.schedule() for s in scheds]
             diff = _first_difference(summarize_output(outs[0]), summarize_output(outs[1]))
             if diff:
                 raise AssertionError(f"{where}, step {step}: {diff}")
             for s, r, so in zip(scheds, runners, outs):
                 s.update_from_output(so, r.execute_model(so))
+            for ours, ref in zip(*made):
+                got = (ours.status.name, ours.num_computed_tokens, ours.num_preemptions, ours.num_tokens)
+                want = (ref.status.name, ref.num_computed_tokens, ref.num_preemptions, ref.num_tokens)
+                if got != want:
+                    raise AssertionError(f"{where}, after step {step}: request {ref.request_id!r} has (status, "
+                                         f"num_computed_tokens, num_preemptions, num_tokens) = {got}, expected {want}")
             step += 1
             num_steps += 1
             if step > 5000:
                 raise AssertionError(f"{where}: not finished after 5000 steps")
-    print(f"All {num_steps} steps of {num_workloads} workloads agree with the reference.")
+        num_preemptions += sum(r.num_preemptions for r in made[1])
+    if num_workloads >= 20 and num_preemptions == 0:
+        raise AssertionError("no request was preempted in any workload: the comparison did not cover preemption")
+    print(f"All {num_steps} steps of {num_workloads} workloads agree with the reference "
+          f"({num_preemptions} preemptions among them).")
     return num_steps

@@ -9,6 +9,7 @@ vLLM counterpart: ``vllm/v1/request.py`` (``Request``, ``RequestStatus``).
 from __future__ import annotations
 
 import enum
+import operator
 import time
 from typing import Any
 
@@ -42,12 +43,36 @@ _FINISHED_REASONS = {
 }
 
 
+def _checked_token_ids(request_id: str, token_ids: Any) -> list[int]:
+    """``token_ids`` as a new list of Python ints, or a ValueError that names the request and the bad value.
+
+    A string is refused explicitly: it is a sequence, and ``list("abc")`` would quietly become three "tokens".
+    """
+    if not isinstance(token_ids, (list, tuple)):
+        raise ValueError(f"request {request_id!r}: prompt_token_ids must be a list or tuple of token ids (ints >= 0), "
+                         f"got {type(token_ids).__name__} {token_ids!r:.80}")
+    if not token_ids:
+        raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
+    ids = []
+    for i, t in enumerate(token_ids):
+        try:
+            # operator.index takes ints and NumPy/PyTorch integer scalars, and refuses floats and strings.
+            v = None if isinstance(t, bool) else operator.index(t)
+        except TypeError:
+            v = None
+        if v is None or v < 0:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids[{i}] must be an int >= 0, got {t!r}")
+        ids.append(v)
+    return ids
+
+
 class Request:
     """One generation request as the scheduler sees it.
 
     Args:
         request_id: unique id.
-        prompt_token_ids: the prompt, at least one token.
+        prompt_token_ids: the prompt, a non-empty list or tuple of token ids (ints >= 0; NumPy or PyTorch integer
+            scalars are accepted and stored as ints).
         sampling_params: a :class:`~minillm.sampling_params.SamplingParams` (``max_tokens``, stop conditions, ...);
             duck-typed so chapters before the sampler can pass any object with ``max_tokens``.
         eos_token_id: the tokenizer's end-of-sequence id, or ``None``.
@@ -57,10 +82,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any = None,
                  eos_token_id: int | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = _checked_token_ids(request_id, prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time

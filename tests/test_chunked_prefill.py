@@ -131,13 +131,75 @@ def test_recorded_kv_reads_and_pairs_match_formulas(model, prompt):
 
 
 def test_recording_cache_counts_bytes(model):
-    cache = RecordingKVCache.for_model(model, capacity=4)
+    cfg = model.config
+    cache = RecordingKVCache.for_model(model, capacity=4)  # small capacity: the counts must survive buffer growth
     assert cache.kv_bytes_read == 0
+    sizes = [3, 5, 2]
+    g = torch.Generator().manual_seed(0)
+    for n in sizes:  # write each chunk's K/V into every layer and attend over everything cached so far
+        for layer in range(cfg.num_hidden_layers):
+            q = torch.randn(n, cfg.num_attention_heads, cfg.head_dim, generator=g)
+            k, v = (torch.randn(n, cfg.num_key_value_heads, cfg.head_dim, generator=g) for _ in range(2))
+            cache.forward(layer, q, k, v)
+    # chunk c reads K and V of its ctx_c + n_c tokens at every layer: (3) + (3+5) + (8+2) = 21 tokens per layer
+    tokens_read = 3 + 8 + 10
+    want = tokens_read * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32: 4 bytes
+    assert cache.kv_bytes_read == want == flops.kv_bytes_read(cfg, sizes, dtype_bytes=4)
+    assert cache.kv_elements_read * 4 == want
+    # The element size comes from the cache's dtype: the same reads from an fp16 cache are half the bytes.
+    half = RecordingKVCache(1, 2, 8, dtype=torch.float16, capacity=1)
+    half.forward(0, torch.randn(3, 4, 8, dtype=torch.float16), *torch.randn(2, 3, 2, 8, dtype=torch.float16))
+    assert half.kv_elements_read == 3 * 2 * 2 * 8 and half.kv_bytes_read == 3 * 2 * 2 * 8 * 2
 
 
 def test_prefill_chunk_rejects_mismatched_positions(model):
     with pytest.raises(ValueError, match="positions"):
         prefill_chunk(model, torch.tensor([1, 2, 3]), torch.tensor([0, 1]), model.new_kv_cache())
+
+
+@pytest.mark.parametrize("positions", [[1, 2, 3], [0, 2, 3], [0, 1, 1], [2, 1, 0], [0.0, 1.0, 2.0]],
+                         ids=["starts-after-cache", "gap", "repeat", "reversed", "float"])
+def test_prefill_chunk_rejects_positions_that_do_not_continue_the_cache(model, positions):
+    cache = model.new_kv_cache()
+    with pytest.raises(ValueError, match=r"positions must be consecutive integers.*cache.num_tokens = 0"):
+        prefill_chunk(model, torch.tensor([5, 6, 7]), torch.tensor(positions), cache)
+    assert cache.num_tokens == 0 and all(n == 0 for n in cache._len), "a refused chunk must leave the cache empty"
+    # After a 3-token chunk the next one must start at 3: 0 (again) and 4 are refused, 3 is accepted.
+    prefill_chunk(model, torch.tensor([5, 6, 7]), torch.arange(3), cache)
+    for start in (0, 4):
+        with pytest.raises(ValueError, match="cache.num_tokens = 3"):
+            prefill_chunk(model, torch.tensor([8]), torch.tensor([start]), cache)
+    assert cache.num_tokens == 3
+    prefill_chunk(model, torch.tensor([8]), torch.tensor([3]), cache)
+    assert cache.num_tokens == 4
+
+
+def test_prefill_chunk_prefix_missing_allows_a_later_start_only(model):
+    """independent_chunks_prefill's deliberate shortcut: an empty cache, positions of a later chunk."""
+    cache = model.new_kv_cache()
+    prefill_chunk(model, torch.tensor([5, 6]), torch.tensor([10, 11]), cache, prefix_missing=True)
+    assert cache.num_tokens == 2
+    with pytest.raises(ValueError, match=">= cache.num_tokens = 2"):
+        prefill_chunk(model, torch.tensor([5]), torch.tensor([1]), cache, prefix_missing=True)
+    with pytest.raises(ValueError, match="consecutive"):
+        prefill_chunk(model, torch.tensor([5, 6]), torch.tensor([20, 22]), cache, prefix_missing=True)
+
+
+def test_out_of_range_token_ids_are_refused_up_front(model, prompt):
+    vocab = model.config.vocab_size
+    for bad in (vocab, -1):
+        ids = prompt[:6].clone()
+        ids[4] = bad  # in the second chunk: the check must come before the first chunk runs
+        for run in (lambda: chunked_prefill(model, ids, [3, 3]), lambda: independent_chunks_prefill(model, ids, [3, 3]),
+                    lambda: last_chunk_attention_prefill(model, ids, [3, 3])):
+            with pytest.raises(ValueError, match=rf"token ids must be in \[0, {vocab}\), got \[{bad}\]"):
+                run()
+        with pytest.raises(ValueError, match=rf"\[0, {vocab}\)"):
+            prefill_chunk(model, ids, torch.arange(6), model.new_kv_cache())
+    with pytest.raises(ValueError, match=rf"\[0, {vocab}\)"):
+        chunked_prefill(model, [1, 2, vocab + 7])
+    with pytest.raises(ValueError, match="integer token ids"):
+        chunked_prefill(model, torch.tensor([1.0, 2.0]))
 
 
 def test_chunk_helpers():

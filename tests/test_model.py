@@ -73,3 +73,29 @@ def test_bad_inputs_are_refused_clearly():
 def test_kv_bytes_per_token_of_smollm2():
     # 2 (K and V) x 30 layers x 3 KV heads x 64 dims x 4 bytes (fp32)
     assert LlamaConfig().kv_cache_bytes_per_token(4) == 46080
+
+
+def test_contiguous_cache_refuses_wrong_shapes_and_stays_unchanged():
+    model = _tiny_model()  # 2 layers, 4 query heads, 2 KV heads, head_dim 8
+    cache = ContiguousKVCache.for_model(model, capacity=4)
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    cache.forward(0, q, k, v)
+    before = cache.keys(0).clone()
+    bad_calls = {
+        "wrong number of KV heads": ((q, torch.randn(3, 4, 8), torch.randn(3, 4, 8)), r"num_kv_heads=2.*\(3, 4, 8\)"),
+        "wrong head_dim in k/v": ((q, torch.randn(3, 2, 4), torch.randn(3, 2, 4)), r"head_dim=8"),
+        "k and v differ": ((q, k, torch.randn(3, 2, 8)[:2]), r"got k \(3, 2, 8\) and v \(2, 2, 8\)"),
+        "k not 3-D": ((q, k.flatten(1), v.flatten(1)), r"k and v must both be"),
+        "q heads not a multiple": ((torch.randn(3, 3, 8), k, v), r"multiple of num_kv_heads=2"),
+        "q head_dim": ((torch.randn(3, 4, 6), k, v), r"head_dim=8"),
+        "q and k token counts": ((torch.randn(2, 4, 8), k, v), r"same number of tokens, got 2 and 3"),
+    }
+    for name, (args, match) in bad_calls.items():
+        with pytest.raises(ValueError, match=match):
+            cache.forward(0, *args)
+        assert cache.keys(0).shape[0] == 3 and torch.equal(cache.keys(0), before), f"{name}: cache changed"
+    for layer in (2, -1):
+        with pytest.raises(ValueError, match=rf"layer_idx must be in \[0, 2\), got {layer}"):
+            cache.forward(layer, q, k, v)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ContiguousKVCache(num_layers=2, num_kv_heads=0, head_dim=8)

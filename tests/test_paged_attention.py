@@ -18,6 +18,9 @@ def test_slot_mapping_and_block_table():
     assert compute_slot_mapping([7, 2, 5], 3, 9, 4).tolist() == [31, 8, 9, 10, 11, 20]
     with pytest.raises(ValueError, match="only 3 blocks"):
         compute_slot_mapping([7, 2, 5], 0, 13, 4)
+    for bad in (0, -4):
+        with pytest.raises(ValueError, match=rf"block_size must be >= 1.*got {bad}"):
+            compute_slot_mapping([7, 2, 5], 0, 3, bad)
     t = make_block_table([[3, 1], [4], []])
     assert t.dtype == torch.int32 and t.tolist() == [[3, 1], [4, 0], [0, 0]]
 

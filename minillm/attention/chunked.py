@@ -127,6 +127,18 @@ class ProjectionOnlyAttention:
 # One chunk through the model
 
 
+def _check_token_ids(model: LlamaForCausalLM, ids: torch.Tensor) -> None:
+    """The model's own id check (``model.forward`` has it; the layer-by-layer paths here bypass it): an id outside
+    the vocabulary would otherwise fail deep inside the embedding lookup with an IndexError."""
+    if ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+    vocab = model.config.vocab_size
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        raise ValueError(f"token ids must be in [0, {vocab}), got {bad[:8].tolist()}"
+                         f"{' ...' if bad.numel() > 8 else ''}")
+
+
 def _kv_projection(self_attn: torch.nn.Module, positions: torch.Tensor, x: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """K (rotated) and V of ``x`` ``[n, hidden]`` without computing Q: ``[n, num_kv_heads, head_dim]`` each."""
@@ -142,7 +154,8 @@ def _kv_projection(self_attn: torch.nn.Module, positions: torch.Tensor, x: torch
 @torch.inference_mode()
 def prefill_chunk(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                   cache: ContiguousKVCache | ProjectionOnlyAttention, kv_only_last_layer: bool = False,
-                  hidden_states_out: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+                  hidden_states_out: list[torch.Tensor] | None = None,
+                  prefix_missing: bool = False) -> torch.Tensor | None:
     """Run one chunk through every layer against ``cache``, which holds the K/V of all earlier tokens.
 
     At each layer the chunk's K/V are appended to the cache and its queries attend over the cached prefix and,
@@ -155,13 +168,31 @@ def prefill_chunk(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: t
         kv_only_last_layer: stop at the last layer once its K/V are appended: no attention output, ``o_proj``, MLP,
             final norm. Right for every chunk but the one whose logits are wanted.
         hidden_states_out: if a list, receives the residual stream entering each layer (``[n, hidden]`` each).
+        prefix_missing: WRONG on purpose, for :func:`independent_chunks_prefill`: the cache lacks (some of) the
+            tokens before this chunk, so ``positions`` may start after ``cache.num_tokens``; they must still be
+            consecutive.
 
     Returns:
         Final normed hidden states ``[n, hidden]``, or ``None`` with ``kv_only_last_layer``.
+
+    Raises:
+        ValueError: ``input_ids`` or ``positions`` not ``[n]``, a token id outside ``[0, vocab_size)``, or positions
+            that are not ``ctx_len, ctx_len+1, ...``: a chunk at other positions would attend over a cache that does
+            not hold the tokens before it, and silently compute something else.
     """
-    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-        raise ValueError(f"input_ids and positions must both be [n], got {tuple(input_ids.shape)} and "
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape or input_ids.numel() == 0:
+        raise ValueError(f"input_ids and positions must both be [n] with n >= 1, got {tuple(input_ids.shape)} and "
                          f"{tuple(positions.shape)}")
+    _check_token_ids(model, input_ids)
+    ctx_len = (cache.cache if isinstance(cache, ProjectionOnlyAttention) else cache).num_tokens
+    start = int(positions[0])
+    expected = torch.arange(start, start + positions.numel(), device=positions.device)
+    if positions.is_floating_point() or not torch.equal(positions.long(), expected) \
+            or (start < ctx_len if prefix_missing else start != ctx_len):
+        shown = positions.tolist() if positions.numel() <= 8 else f"{positions[:4].tolist()} ... {int(positions[-1])}"
+        rule = ">=" if prefix_missing else "equal to"
+        raise ValueError(f"positions must be consecutive integers, the first one {rule} cache.num_tokens = {ctx_len} "
+                         f"(the tokens already cached), got {shown}")
     inner = model.model
     num_layers = len(inner.layers)
     h = inner.embed_tokens(input_ids)
@@ -245,9 +276,13 @@ def _new_cache(model: LlamaForCausalLM, capacity: int) -> RecordingKVCache:
 
 
 def _check_ids(model: LlamaForCausalLM, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """``input_ids`` as a ``[num_tokens]`` int64 tensor on the model's device, checked before any chunk runs."""
+    if isinstance(input_ids, torch.Tensor):
+        _check_token_ids(model, input_ids)  # before the cast to int64, which would truncate floats silently
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.device)
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+    _check_token_ids(model, ids)
     return ids
 
 
@@ -273,7 +308,8 @@ def _run(model: LlamaForCausalLM, input_ids: torch.Tensor | Sequence[int], chunk
         res: list[torch.Tensor] = []
         positions = torch.arange(start, end, device=ids.device)
         hiddens.append(prefill_chunk(model, ids[start:end], positions, attn,
-                                     kv_only_last_layer=kv_only_last_layer and not last, hidden_states_out=res))
+                                     kv_only_last_layer=kv_only_last_layer and not last, hidden_states_out=res,
+                                     prefix_missing=mode == "independent"))
         residual_chunks.append(res)
     if mode != "independent":
         caches = [shared]

@@ -53,6 +53,8 @@ def compute_slot_mapping(block_ids: Sequence[int] | torch.Tensor, start: int, en
     Returns:
         ``[end - start]`` int64.
     """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 (tokens per block), got {block_size}")
     if not 0 <= start <= end:
         raise ValueError(f"need 0 <= start <= end, got start={start}, end={end}")
     if end > len(block_ids) * block_size:

@@ -89,10 +89,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if num_tokens == 0:
         return
     num_blocks, block_size = key_cache.shape[:2]
-    if key_cache.device.type == "cpu":  # a cheap guard where it costs no device sync
-        top = int(slot_mapping.max())
-        if top >= num_blocks * block_size:
-            raise ValueError(f"slot_mapping has slot {top}, but the cache holds only {num_blocks * block_size} slots")
+    # vLLM trusts its scheduler and checks none of this; in a teaching kernel a slot beyond the cache should be an
+    # error, not a write outside it (a crashed interpreter or GPU context). One small copy (a sync on a GPU).
+    slots = slot_mapping.cpu()
+    t = int(slots.argmax())
+    if slots[t] >= num_blocks * block_size:
+        raise ValueError(f"slot_mapping[{t}] = {int(slots[t])}, but the cache holds only {num_blocks * block_size} "
+                         f"slots ({num_blocks} blocks of {block_size}): slots must be < {num_blocks * block_size}, "
+                         f"or negative for padding")
 
     row = num_kv_heads * head_dim
     block_t = 16 if key.device.type == "cpu" else 4  # fewer, larger programs are what the interpreter likes

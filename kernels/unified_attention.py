@@ -257,6 +257,57 @@ def choose_config(q: torch.Tensor, num_seqs: int, num_kv_heads: int, block_size:
     return LaunchConfig(block_m, block_q, tile_size, num_kv_splits, num_warps, num_stages)
 
 
+def check_batch_values(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                       num_tokens: int, max_seq_len: int, block_size: int, num_blocks: int) -> None:
+    """Raise ``ValueError`` unless the batch's index tensors describe a batch the kernel can run safely.
+
+    Checked: ``query_start_loc`` (``[num_seqs + 1]``) starts at 0, never decreases and ends at ``num_tokens``;
+    ``0 <= query_len <= seq_len`` for every request (``seq_lens`` ``[num_seqs]``); ``max(seq_lens) <= max_seq_len``
+    (the block table's width was checked against ``max_seq_len``, so every request then has enough columns); and
+    the block ids a request reads, the first ``ceil(seq_len / block_size)`` entries of its ``block_table`` row
+    (``[num_seqs, max_num_blocks]``), lie in ``[0, num_blocks)``. Unused entries past those may hold anything.
+    """
+    # vLLM trusts its scheduler and checks none of this. In a teaching kernel bad indices should be an error, not
+    # an out-of-bounds read (a crashed interpreter or GPU context, or silent garbage). Cost: one small copy per
+    # tensor (a sync on a GPU) and a dozen vectorized ops; only a failure pays for finding the first bad entry.
+    qsl = query_start_loc.to("cpu", torch.int64)
+    sl = seq_lens.to("cpu", torch.int64)
+    bt = block_table.cpu()
+    query_lens = qsl.diff()
+    if sl.numel() == 0:
+        if qsl[0] != 0 or num_tokens != 0:
+            raise ValueError(f"query_start_loc of an empty batch must be [0] with num_tokens = 0, got "
+                             f"{qsl.tolist()} and num_tokens = {num_tokens}")
+        return
+    # Key position j lives in column j // block_size, so a request reads the columns c with c * block_size < seq_len.
+    reads = torch.arange(bt.shape[1]) * block_size < sl[:, None]                       # [num_seqs, max_blocks]
+    bad_block = reads & ((bt < 0) | (bt >= num_blocks))
+    first, min_query_len, last, max_excess, max_len, any_bad_block = torch.stack(
+        [qsl[0], query_lens.min(), qsl[-1], (query_lens - sl).max(), sl.max(), bad_block.any()]).tolist()
+    if first != 0:
+        raise ValueError(f"query_start_loc must start at 0, got query_start_loc[0] = {first}")
+    if min_query_len < 0:
+        i = int((query_lens < 0).nonzero()[0])
+        raise ValueError(f"query_start_loc must be non-decreasing, got query_start_loc[{i}] = {int(qsl[i])} > "
+                         f"query_start_loc[{i + 1}] = {int(qsl[i + 1])}")
+    if last != num_tokens:
+        raise ValueError(f"query_start_loc must end at num_tokens = {num_tokens} (the rows of q), got "
+                         f"query_start_loc[-1] = {last}")
+    if max_excess > 0:
+        i = int((query_lens > sl).nonzero()[0])
+        raise ValueError(f"request {i} has query_len {int(query_lens[i])} > seq_lens[{i}] = {int(sl[i])}; need "
+                         f"0 <= query_len <= seq_len (seq_len counts the context and the new tokens)")
+    if max_len > max_seq_len:
+        i = int(sl.argmax())
+        raise ValueError(f"seq_lens[{i}] = {max_len} exceeds the max_seq_len = {max_seq_len} given; "
+                         f"max_seq_len must be at least max(seq_lens)")
+    if any_bad_block:
+        i, j = bad_block.nonzero()[0].tolist()
+        raise ValueError(f"block_table[{i}, {j}] = {int(bt[i, j])} is not a cache block: request {i} reads the "
+                         f"first {-(-int(sl[i]) // block_size)} entries of its row, each must be in [0, num_blocks = "
+                         f"{num_blocks})")
+
+
 def unified_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -284,13 +335,17 @@ def unified_attention(
         seq_lens: ``[num_seqs]``, history length of each request (context + this chunk).
         block_table: ``[num_seqs, max_num_blocks_per_seq]``, physical block ids of each request.
         max_query_len: largest query length in the batch (picks the tile shape; 1 means a decode-only batch).
-        max_seq_len: largest ``seq_lens`` entry.
+        max_seq_len: at least the largest ``seq_lens`` entry.
         scale: softmax scale, default ``1/sqrt(head_dim)``.
         out: optional ``[num_tokens, num_heads, head_dim]`` tensor to write into.
         block_m, tile_size, num_kv_splits: override the launch configuration (see :func:`choose_config`).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype`` (softmax accumulated in fp32).
+
+    Raises:
+        ValueError: on mismatched shapes, dtypes or devices, or index values that would read outside a tensor
+            (see :func:`check_batch_values`).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
@@ -322,6 +377,8 @@ def unified_attention(
         raise ValueError(f"need 0 <= max_query_len <= max_seq_len, got {max_query_len} and {max_seq_len}")
     on_same_device(q=q, key_cache=key_cache, value_cache=value_cache, query_start_loc=query_start_loc,
                    seq_lens=seq_lens, block_table=block_table)
+    check_batch_values(query_start_loc, seq_lens, block_table, num_tokens, max_seq_len, block_size,
+                       key_cache.shape[0])
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.device != q.device:

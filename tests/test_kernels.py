@@ -101,6 +101,16 @@ def test_reshape_and_cache_rejects_bad_input():
                                   torch.arange(4))
 
 
+def test_reshape_and_cache_rejects_slot_beyond_cache_and_names_it():
+    """Without the check the kernel writes past the end of the cache (a crashed process or a corrupted heap)."""
+    key = torch.randn(4, 1, 16)
+    cache = torch.zeros(2, 16, 1, 16)
+    for slots in (torch.tensor([0, -1, 5, 32], dtype=torch.int32), torch.tensor([-1, -1, 3, 10_000])):
+        with pytest.raises(ValueError, match=r"slot_mapping\[3\] = (32|10000).* must be < 32, or negative"):
+            kernels.reshape_and_cache(key, key, cache, cache.clone(), slots)
+    assert not cache.any()  # nothing was written before the error
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # unified_attention
 # ----------------------------------------------------------------------------------------------------------------
@@ -171,6 +181,62 @@ def test_unified_attention_rejects_bad_input():
         kernels.unified_attention(*args, block_m=24)
     with pytest.raises(ValueError, match="bfloat16"):
         kernels.unified_attention(b.q.bfloat16(), b.key_cache.bfloat16(), b.value_cache.bfloat16(), *args[3:])
+
+
+def _bad_index_batch() -> dict:
+    """Three requests (query_lens 3, 1, 2; seq_lens 8, 5, 3; one 16-token block each; 6 cache blocks) as the
+    keyword arguments of unified_attention, for the value checks below to spoil one at a time."""
+    b = make_paged_batch([3, 1, 2], [5, 4, 1], 2, 1, 16, 16, extra_blocks=3)
+    return dict(q=b.q, key_cache=b.key_cache, value_cache=b.value_cache, query_start_loc=b.query_start_loc,
+                seq_lens=b.seq_lens, block_table=b.block_table, max_query_len=3, max_seq_len=8)
+
+
+# Each spoiled batch slips past every other check (shapes, dtypes, the block table's width for max_seq_len), so
+# without its own check the kernel would run: out-of-bounds reads and writes (crash) or silent garbage.
+_BAD_INDICES = {
+    "qsl starts at 1": (dict(query_start_loc=[1, 3, 4, 6]), r"start at 0, got query_start_loc\[0\] = 1"),
+    "qsl decreases": (dict(query_start_loc=[0, 3, 2, 6]),
+                      r"non-decreasing, got query_start_loc\[1\] = 3 > query_start_loc\[2\] = 2"),
+    "qsl ends past q": (dict(query_start_loc=[0, 3, 4, 7]), r"end at num_tokens = 6 .* query_start_loc\[-1\] = 7"),
+    "qsl ends short of q": (dict(query_start_loc=[0, 3, 4, 5]), r"end at num_tokens = 6 .*\[-1\] = 5"),
+    "negative context": (dict(seq_lens=[2, 5, 3]), r"request 0 has query_len 3 > seq_lens\[0\] = 2"),
+    "seq_len over max_seq_len": (dict(seq_lens=[8, 5, 300]), r"seq_lens\[2\] = 300 exceeds the max_seq_len = 8"),
+    "block id = num_blocks": (dict(block_table=[[0], [6], [1]]), r"block_table\[1, 0\] = 6 .* \[0, num_blocks = 6\)"),
+    "negative block id": (dict(block_table=[[0], [1], [-1]]), r"block_table\[2, 0\] = -1 is not a cache block"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_INDICES))
+def test_unified_attention_rejects_bad_index_values(case):
+    spoil, message = _BAD_INDICES[case]
+    kwargs = _bad_index_batch()
+    for name, value in spoil.items():
+        kwargs[name] = torch.tensor(value, dtype=kwargs[name].dtype)
+    out = torch.full_like(kwargs["q"], 123.0)
+    with pytest.raises(ValueError, match=message):
+        kernels.unified_attention(**kwargs, out=out)
+    assert (out == 123.0).all()  # rejected before any kernel ran
+
+
+def test_unified_attention_empty_batch_needs_no_tokens():
+    """No requests: query_start_loc is [0] and q has no rows; rows without a request would be left unwritten."""
+    kwargs = _bad_index_batch()
+    kwargs.update(query_start_loc=torch.zeros(1, dtype=torch.int32), seq_lens=torch.zeros(0, dtype=torch.int32),
+                  block_table=torch.zeros(0, 1, dtype=torch.int32))
+    assert kernels.unified_attention(**dict(kwargs, q=kwargs["q"][:0])).shape == (0, 2, 16)
+    with pytest.raises(ValueError, match=r"empty batch must be \[0\] with num_tokens = 0, got .* num_tokens = 6"):
+        kernels.unified_attention(**kwargs)
+
+
+def test_unified_attention_ignores_unused_block_table_entries():
+    """Only the blocks a request reads are checked: padding columns past them may hold anything."""
+    kwargs = _bad_index_batch()
+    b = kwargs["block_table"]
+    kwargs["block_table"] = torch.cat([b, torch.tensor([[999], [-1], [6]], dtype=b.dtype)], dim=1)
+    out = kernels.unified_attention(**kwargs, block_m=16, tile_size=16)
+    want = paged_reference_attention(kwargs["q"], kwargs["key_cache"], kwargs["value_cache"],
+                                     kwargs["query_start_loc"], kwargs["seq_lens"], b)
+    assert (out - want).abs().max().item() <= ATOL[torch.float32]
 
 
 def test_launch_config_shapes():

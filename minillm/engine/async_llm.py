@@ -40,8 +40,11 @@ _END = object()  # the request was aborted (or the engine shut down) with no fin
 
 
 @dataclass(frozen=True)
-class EngineStats:
+class AsyncLLMStats:
     """A snapshot the engine thread publishes after each loop iteration; safe to read from any thread.
+
+    (Not :class:`~minillm.engine.llm_engine.EngineStats`, the engine's own counters. vLLM counterpart: the
+    ``SchedulerStats`` and ``IterationStats`` of ``vllm/v1/metrics/stats.py``, which feed its ``/metrics``.)
 
     Attributes:
         num_blocks: KV cache blocks, the reserved null block included (0 if the engine has no KV cache manager).
@@ -143,7 +146,7 @@ class AsyncLLM:
         self._start_lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stop = threading.Event()
-        self.stats = EngineStats()  # the engine thread publishes the real numbers as soon as it starts
+        self.stats = AsyncLLMStats()  # the engine thread publishes the real numbers as soon as it starts
         if start:
             self.start()
 
@@ -315,6 +318,7 @@ class AsyncLLM:
 
     def _dispatch(self, outputs: list[Any]) -> None:
         gone = []
+        deliveries = []
         for out in outputs:
             collector = self._collectors.get(out.request_id)
             if collector is None:
@@ -322,6 +326,10 @@ class AsyncLLM:
             if out.finished:
                 del self._collectors[out.request_id]
                 self._counts["finished"] += 1
+            deliveries.append((collector, out))
+        # Publish first: a caller that has just received its final output must already see it counted.
+        self._publish_stats()
+        for collector, out in deliveries:
             if not collector._put(out) and not out.finished:
                 gone.append(out.request_id)
         if gone:
@@ -349,7 +357,7 @@ class AsyncLLM:
             unfinished = self.engine.get_num_unfinished_requests()
         except AttributeError:
             unfinished = len(self._collectors)
-        self.stats = EngineStats(
+        self.stats = AsyncLLMStats(
             num_blocks=int(getattr(kv, "num_blocks", 0) or 0),
             num_free_blocks=int(getattr(kv, "num_free_blocks", 0) or 0),
             kv_cache_usage=float(getattr(kv, "usage", 0.0) or 0.0),

@@ -168,15 +168,64 @@ def test_zigzag_evens_out_work_per_rank(cp):
     assert imbalance["zigzag"][1] < imbalance["plain"][1], imbalance
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=0), "world_size must be an int >= 1, got 0"),
+    (dict(world_size=True), "world_size must be an int >= 1, got True"),
+    (dict(timeout_s=0), "timeout_s must be a finite number of seconds > 0, got 0"),
+    (dict(start_timeout_s=float("inf")), "start_timeout_s must be a finite number"),
+])
+def test_executor_rejects_bad_arguments_before_starting_workers(kwargs, match):
+    args = dict(world_size=2) | kwargs
+    with pytest.raises(ValueError, match=match):
+        ContextParallelExecutor({"tiny": _tiny_model()}, **args)
+
+
+_IDS = list(range(16))
+_BAD_PREFILLS = [
+    # (arguments of prefill("tiny", ...), what the ValueError must say)
+    (dict(input_ids=_IDS, world_size=5), r"world_size must be an int in \[1, 4\], got 5"),
+    (dict(input_ids=_IDS, world_size=0), r"world_size must be an int in \[1, 4\], got 0"),
+    (dict(input_ids=list(range(5)), world_size=4, split="zigzag"), "needs at least 8 tokens"),
+    (dict(input_ids=[]), "needs at least 4 tokens"),
+    (dict(input_ids=_IDS, split="striped"), "split kind"),
+    (dict(input_ids=_IDS, strategy="tree"), "strategy"),
+    (dict(input_ids=_IDS[:-1] + [TINY.vocab_size]), r"token ids must be in \[0, 256\).*got 256"),
+    (dict(input_ids=[-1] + _IDS[1:]), r"token ids must be in \[0, 256\).*got -1"),
+    (dict(input_ids=torch.full((16,), 10**6)), r"token ids must be in \[0, 256\).*got 1000000"),
+    (dict(input_ids=torch.zeros(2, 8, dtype=torch.long)), r"1-D tensor \[num_tokens\], got shape \(2, 8\)"),
+    (dict(input_ids=[[1, 2], [3, 4]] * 4), r"flat list of int token ids.*\[1, 2\]"),
+    (dict(input_ids=torch.zeros(16)), "integer token ids, got dtype torch.float32"),
+    (dict(input_ids=[1.0] * 16), "flat list of int token ids.*1.0"),
+    (dict(input_ids=[True] * 16), "flat list of int token ids.*True"),
+    (dict(input_ids="the prompt as text"), "1-D integer tensor or a list of ints, got str"),
+    (dict(input_ids=_IDS, timeout_s=0), "timeout_s must be a finite number of seconds > 0, got 0"),
+    (dict(input_ids=_IDS, timeout_s=float("nan")), "timeout_s must be a finite number of seconds > 0, got nan"),
+    (dict(input_ids=_IDS, fail_rank=4), r"fail_rank must be None or an int in \[0, 4\), got 4"),
+    (dict(input_ids=_IDS, world_size=2, fail_rank=2), r"fail_rank must be None or an int in \[0, 2\), got 2"),
+    (dict(input_ids=_IDS, fail_rank=-1), "fail_rank must be None or an int"),
+    (dict(input_ids=_IDS, fail_rank=0, fail_at_layer=3), r"fail_at_layer must be an int in \[0, 3\), got 3"),
+    (dict(input_ids=_IDS, fail_rank=0, fail_mode="crash"), "fail_mode must be 'raise' or 'hang'"),
+]
+
+
+@pytest.mark.slow
 @pytest.mark.xdist_group("context_parallel")
 def test_prefill_rejects_bad_arguments(cp):
-    executor, _ = cp
-    with pytest.raises(ValueError, match="world_size"):
-        executor.prefill("tiny", list(range(16)), world_size=5)
-    with pytest.raises(ValueError, match="needs at least"):
-        executor.prefill("tiny", list(range(5)), world_size=4, split="zigzag")
-    with pytest.raises(ValueError, match="unknown model"):
-        executor.prefill("llama-70b", list(range(16)))
+    """Every bad argument is a ValueError raised in the caller before anything is sent: the workers never see it,
+    and the executor stays open and usable (a worker-side failure would have closed it)."""
+    executor, models = cp
+    for kwargs, match in _BAD_PREFILLS:
+        with pytest.raises(ValueError, match=match):
+            executor.prefill("tiny", **kwargs)
+    with pytest.raises(ValueError, match="unknown model 'llama-70b'"):
+        executor.prefill("llama-70b", _IDS)
+    assert not executor.broken and executor.alive_ranks == [0, 1, 2, 3]
+    # Still serving, and the edges of the vocabulary are accepted (a tensor of any integer dtype, or a list).
+    edge = [0, TINY.vocab_size - 1] * 8
+    ref = _single_process(models["tiny"], torch.tensor(edge))[0]
+    for ids in (edge, torch.tensor(edge, dtype=torch.int32)):
+        res = executor.prefill("tiny", ids, world_size=4, split="zigzag")
+        torch.testing.assert_close(res.logits, ref, atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow

@@ -29,8 +29,10 @@ class CollectiveError(RuntimeError):
 class CommStats:
     """What one rank sent and how long it waited, per layer.
 
-    ``bytes_sent[layer]``: payload bytes this rank put on the wire for that layer. ``wait_s``: wall time spent
-    blocked in ``wait()`` over the whole run (time not hidden behind computation).
+    ``bytes_sent[layer]``: payload bytes this rank put on the wire for that layer, counted in the run (the ring: each
+    block as its send is posted; the all-gather: the blocks that arrived from the other ranks, which in an
+    all-gather of equal-sized blocks is the same number). ``wait_s``: wall time spent blocked in ``wait()`` over the
+    whole run (time not hidden behind computation).
     """
 
     num_layers: int
@@ -63,8 +65,10 @@ def all_gather_kv(kv: torch.Tensor, max_tokens: int, group: dist.ProcessGroup, s
     Returns:
         ``world_size`` tensors ``[2, max_tokens, num_kv_heads, head_dim]``, one per rank of ``group`` (padded).
 
-    Each rank ships its padded block to the ``N - 1`` others (directly or forwarded around a ring: ``N - 1`` block
-    sends per rank either way), so ``(N - 1) x padded block bytes`` is added to ``stats.bytes_sent[layer_idx]``.
+    What is added to ``stats.bytes_sent[layer_idx]`` is counted from the exchange, not from a formula: the sizes of
+    the blocks that arrived from the other ``N - 1`` ranks. An all-gather moves equal-sized blocks (each rank ships
+    its padded block to the ``N - 1`` others, directly or forwarded around a ring), so what a rank receives is what
+    it sends; :func:`expected_bytes_per_layer` is the formula to check the count against.
     """
     world = dist.get_world_size(group)
     if kv.shape[1] > max_tokens:
@@ -80,7 +84,8 @@ def all_gather_kv(kv: torch.Tensor, max_tokens: int, group: dist.ProcessGroup, s
         raise CollectiveError(f"{what} failed: {type(e).__name__}: {e}") from e
     _wait(work, timeout_s, what)
     stats.wait_s += time.perf_counter() - t0
-    stats.bytes_sent[layer_idx] += (world - 1) * padded.numel() * padded.element_size()
+    me = dist.get_rank(group)
+    stats.bytes_sent[layer_idx] += sum(t.numel() * t.element_size() for src, t in enumerate(out) if src != me)
     return out
 
 

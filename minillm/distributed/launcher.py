@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
+import numbers
 import os
 import queue
 import shutil
@@ -106,6 +108,49 @@ def _from_bytes(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# argument checks, in the parent, before anything reaches a worker
+# ---------------------------------------------------------------------------------------------------------------
+
+def _is_int(x: object) -> bool:
+    """A Python or NumPy integer, not a bool (``True`` is an ``int`` in Python, never a token id or a rank)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_timeout(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite number of seconds > 0, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _check_input_ids(input_ids: object, vocab_size: int) -> list[int]:
+    """``input_ids`` (a 1-D integer tensor or a list/tuple of ints) as a list of ints in ``[0, vocab_size)``.
+
+    Checked here so that a bad prompt is a ValueError in the caller, not a traceback from a worker and a closed
+    executor.
+    """
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be a 1-D tensor [num_tokens], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        ids = [int(t) for t in input_ids.tolist()]
+    elif isinstance(input_ids, (list, tuple)):
+        bad = next((t for t in input_ids if not _is_int(t)), None)
+        if bad is not None:
+            raise ValueError(f"input_ids must be a flat list of int token ids [num_tokens], got an element {bad!r} "
+                             f"of type {type(bad).__name__}")
+        ids = [int(t) for t in input_ids]
+    else:
+        raise ValueError(f"input_ids must be a 1-D integer tensor or a list of ints, got {type(input_ids).__name__}")
+    out_of_range = [t for t in ids if not 0 <= t < vocab_size]
+    if out_of_range:
+        raise ValueError(f"token ids must be in [0, {vocab_size}) for this model, got {out_of_range[0]} "
+                         f"({len(out_of_range)} id(s) out of range)")
+    return ids
+
+
 def _worker_main(rank: int, world_size: int, init_file: str, model_files: dict[str, str], jobs, results,
                  start_timeout_s: float) -> None:
     """Body of one worker process: join the group, load models, serve jobs until ``None``."""
@@ -175,12 +220,13 @@ class ContextParallelExecutor:
 
     def __init__(self, models: dict[str, torch.nn.Module], world_size: int, timeout_s: float = 60.0,
                  start_timeout_s: float = 180.0) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not _is_int(world_size) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not models:
             raise ValueError("give at least one model")
         self.world_size = world_size
-        self.timeout_s = timeout_s
+        self.timeout_s = _check_timeout("timeout_s", timeout_s)
+        start_timeout_s = _check_timeout("start_timeout_s", start_timeout_s)
         self.broken = False
         self._tmp = Path(tempfile.mkdtemp(prefix="minillm_cp_"))
         self._configs = {name: m.config for name, m in models.items()}
@@ -228,28 +274,41 @@ class ContextParallelExecutor:
             split: ``"plain"`` or ``"zigzag"``.
             timeout_s: timeout of every collective of this job (default: the executor's).
             fail_rank, fail_at_layer, fail_mode: for tests, make that rank raise (``"raise"``) or stall (``"hang"``)
-                at that layer.
+                at that layer (``fail_rank`` in ``[0, world_size)`` or ``None``, ``fail_at_layer`` in ``[0,
+                num_layers)``).
 
         Raises:
+            ValueError: a bad argument (unknown model or strategy or split, ids that are not a 1-D list of ids in
+                ``[0, vocab_size)``, fewer tokens than the split has pieces, a bad ``world_size``, ``timeout_s`` or
+                fault setting). Checked here before anything is sent, so the executor stays usable.
             ContextParallelError: a rank failed (its traceback is in the message); the executor is then closed.
         """
         if self.broken:
             raise ContextParallelError("this executor was closed after an error; start a new one")
+        # Every check happens here, in the parent: a bad argument that reached the workers would fail there, come
+        # back as a worker traceback and close the executor for good.
         world_size = self.world_size if world_size is None else world_size
-        if not 1 <= world_size <= self.world_size:
-            raise ValueError(f"world_size must be in [1, {self.world_size}], got {world_size}")
+        if not _is_int(world_size) or not 1 <= world_size <= self.world_size:
+            raise ValueError(f"world_size must be an int in [1, {self.world_size}], got {world_size!r}")
         if model not in self._configs:
             raise ValueError(f"unknown model {model!r}; have {sorted(self._configs)}")
+        config = self._configs[model]
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        timeout_s = self.timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
+        if fail_rank is not None and (not _is_int(fail_rank) or not 0 <= fail_rank < world_size):
+            raise ValueError(f"fail_rank must be None or an int in [0, {world_size}), got {fail_rank!r}")
+        if not _is_int(fail_at_layer) or not 0 <= fail_at_layer < config.num_hidden_layers:
+            raise ValueError(f"fail_at_layer must be an int in [0, {config.num_hidden_layers}), got "
+                             f"{fail_at_layer!r}")
         if fail_mode not in ("raise", "hang"):
             raise ValueError(f"fail_mode must be 'raise' or 'hang', got {fail_mode!r}")
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        ids = [int(t) for t in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
-        the_split = make_split(len(ids), world_size, split)  # validates before anything is sent
-        job = {"model": model, "input_ids": ids, "num_tokens": len(ids), "world_size": world_size,
-               "strategy": strategy, "split": split, "timeout_s": timeout_s, "fail_rank": fail_rank,
-               "fail_at_layer": fail_at_layer, "fail_mode": fail_mode}
+        ids = _check_input_ids(input_ids, config.vocab_size)
+        the_split = make_split(len(ids), world_size, split)  # the split kind, and enough tokens for its pieces
+        job = {"model": model, "input_ids": ids, "num_tokens": len(ids), "world_size": int(world_size),
+               "strategy": strategy, "split": split, "timeout_s": timeout_s,
+               "fail_rank": None if fail_rank is None else int(fail_rank), "fail_at_layer": int(fail_at_layer),
+               "fail_mode": fail_mode}
         t0 = time.perf_counter()
         try:
             for r in range(world_size):

@@ -46,3 +46,5 @@ def test_tiny_benchmark_run(smollm, hf_oracle):
             assert same["real_divergences"] == 0 and same["identical"] + same["near_tie_divergences"] == 3, same
     text = format_report(report)
     assert "minillm reaches" in text and "minillm-ngram reaches" in text and "hf-batch" in text
+    passes = report["forward_passes"]
+    assert passes["minillm-ngram"] <= passes["minillm"] and "forward passes: minillm" in text

@@ -287,6 +287,7 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
             if ours in results and peer in results:
                 report[f"greedy_{ours}_vs_{peer}"] = compare_greedy(results[ours].tokens, results[peer].tokens,
                                                                      hf_model, workload)
+    report["forward_passes"] = {name: r.num_steps for name, r in results.items() if name.startswith("minillm")}
     if "minillm-ngram" in results:
         report["ngram_acceptance_rate"] = results["minillm-ngram"].acceptance_rate
         report["ngram_spec"] = dict(NGRAM_SPEC)
@@ -347,6 +348,8 @@ def format_report(report: dict[str, Any]) -> str:
         if "roofline" in tps and ours in tps:
             lines.append(f"{ours} reaches {tps[ours] / tps['roofline']:.2f} of the roofline "
                          f"({report['workload_gflop']:.0f} GFLOP at {report['matmul_gflops']:.1f} GFLOP/s)")
+    if report.get("forward_passes"):
+        lines.append("forward passes: " + ", ".join(f"{k} {v}" for k, v in report["forward_passes"].items()))
     if report.get("ngram_acceptance_rate") is not None:
         lines.append(f"minillm-ngram: {report['ngram_spec']}, {report['ngram_acceptance_rate']:.0%} of the drafts "
                      f"accepted")

@@ -18,14 +18,15 @@ from tests.engine_helpers import TINY, check_greedy_match, greedy_reference, sin
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 _TINY_MODEL = tiny_model()
-_REFERENCE: dict[tuple[int, ...], tuple[list[int], list[torch.Tensor]]] = {}
+_REFERENCE: dict[tuple[tuple[int, ...], int], tuple[list[int], list[torch.Tensor]]] = {}
 MAX_TOKENS = 6
 
 
-def _reference(prompt: list[int]):
-    key = tuple(prompt)
+def _reference(prompt: list[int], max_tokens: int = MAX_TOKENS):
+    """The tiny model's no-cache greedy tokens and logits for ``prompt`` (cached: hypothesis repeats prompts)."""
+    key = (tuple(prompt), max_tokens)
     if key not in _REFERENCE:
-        _REFERENCE[key] = greedy_reference(_TINY_MODEL, prompt, MAX_TOKENS)
+        _REFERENCE[key] = greedy_reference(_TINY_MODEL, prompt, max_tokens)
     return _REFERENCE[key]
 
 
@@ -52,6 +53,20 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert not engine.model_runner.requests
 
 
+def serve_and_check_greedy(engine: LLMEngine, prompts: list[list[int]], arrive: list[int],
+                           max_tokens: int = MAX_TOKENS) -> None:
+    """Request ``i`` arrives at step ``arrive[i]`` and decodes ``max_tokens`` greedy tokens of the tiny model; each
+    must match the no-cache reference (up to a near tie), and every KV block must come back."""
+    arrivals: dict[int, list] = {}
+    for i, (p, a) in enumerate(zip(prompts, arrive)):
+        arrivals.setdefault(a, []).append((f"r{i}", p, SamplingParams.greedy(max_tokens=max_tokens)))
+    tokens = run_to_completion(engine, arrivals)
+    for i, p in enumerate(prompts):
+        ref, logits = _reference(p, max_tokens)
+        check_greedy_match(tokens[f"r{i}"], ref, logits, what=f"request {i} (prompt length {len(p)})")
+    assert_all_blocks_free(engine)
+
+
 # -- continuous batching, chunking, prefix caching, preemption: none of it changes a greedy token -------------------
 @settings(max_examples=25)
 @given(data=st.data(), block_size=st.sampled_from([1, 4, 16]), threshold=st.sampled_from([0, 1, 7]),
@@ -70,15 +85,7 @@ def test_engine_greedy_equals_no_cache_reference(data, block_size, threshold, bu
     args = EngineArgs(block_size=block_size, num_gpu_blocks=blocks, max_num_batched_tokens=max(budget, max_num_seqs),
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len, long_prefill_token_threshold=threshold,
                       enable_prefix_caching=prefix_caching)
-    engine = LLMEngine(_TINY_MODEL, None, args)
-    arrivals: dict[int, list] = {}
-    for i, (p, a) in enumerate(zip(prompts, arrive)):
-        arrivals.setdefault(a, []).append((f"r{i}", p, SamplingParams.greedy(max_tokens=MAX_TOKENS)))
-    tokens = run_to_completion(engine, arrivals)
-    for i, p in enumerate(prompts):
-        ref, logits = _reference(p)
-        check_greedy_match(tokens[f"r{i}"], ref, logits, what=f"request {i} (prompt length {len(p)})")
-    assert_all_blocks_free(engine)
+    serve_and_check_greedy(LLMEngine(_TINY_MODEL, None, args), prompts, arrive)
 
 
 def test_tight_cache_really_preempts_and_prefix_cache_really_hits():

@@ -7,7 +7,6 @@ no cache; SmolLM2 on a repetitive prompt shows that drafts are really accepted a
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,21 +17,12 @@ from minillm.engine.arg_utils import EngineArgs, parse_speculative_config
 from minillm.engine.llm_engine import LLMEngine
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
-from tests.engine_helpers import TINY, check_greedy_match, greedy_reference, single_thread, tiny_model  # noqa: F401
-from tests.test_engine import assert_all_blocks_free, run_to_completion
+from tests.engine_helpers import TINY, check_greedy_match, greedy_reference, single_thread  # noqa: F401
+from tests.test_engine import _TINY_MODEL, run_to_completion, serve_and_check_greedy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-_TINY_MODEL = tiny_model()
 MAX_TOKENS = 12
-_REFERENCE: dict[tuple[int, ...], tuple[list[int], list[torch.Tensor]]] = {}
-
-
-def _reference(prompt: list[int]):
-    key = tuple(prompt)
-    if key not in _REFERENCE:
-        _REFERENCE[key] = greedy_reference(_TINY_MODEL, prompt, MAX_TOKENS)
-    return _REFERENCE[key]
 
 
 def ngram(k: int = 3, lo: int = 1, hi: int = 3) -> dict:
@@ -64,15 +54,8 @@ def test_speculative_greedy_equals_no_cache_reference(data, block_size, budget, 
                       long_prefill_token_threshold=threshold, enable_prefix_caching=prefix_caching,
                       speculative_config=ngram(k))
     engine = LLMEngine(_TINY_MODEL, None, args)
-    arrivals: dict[int, list] = {}
-    for i, (p, a) in enumerate(zip(prompts, arrive)):
-        arrivals.setdefault(a, []).append((f"r{i}", p, SamplingParams.greedy(max_tokens=MAX_TOKENS)))
-    tokens = run_to_completion(engine, arrivals)
-    for i, p in enumerate(prompts):
-        ref, logits = _reference(p)
-        check_greedy_match(tokens[f"r{i}"], ref, logits, what=f"request {i} (prompt length {len(p)})")
+    serve_and_check_greedy(engine, prompts, arrive, MAX_TOKENS)
     assert engine.stats.num_accepted_tokens <= engine.stats.num_draft_tokens
-    assert_all_blocks_free(engine)
 
 
 def _run(prompts: list[list[int]], params: SamplingParams, **engine_args) -> tuple[dict[str, list[int]], LLMEngine]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.attention.contiguous import ContiguousKVCache
-from minillm.model.llama import LlamaForCausalLM
+from minillm.model.llama import LlamaForCausalLM, check_token_ids
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -128,15 +128,8 @@ class ProjectionOnlyAttention:
 
 
 def _check_token_ids(model: LlamaForCausalLM, ids: torch.Tensor) -> None:
-    """The model's own id check (``model.forward`` has it; the layer-by-layer paths here bypass it): an id outside
-    the vocabulary would otherwise fail deep inside the embedding lookup with an IndexError."""
-    if ids.is_floating_point() or ids.is_complex():
-        raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
-    vocab = model.config.vocab_size
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        bad = ids[(ids < 0) | (ids >= vocab)]
-        raise ValueError(f"token ids must be in [0, {vocab}), got {bad[:8].tolist()}"
-                         f"{' ...' if bad.numel() > 8 else ''}")
+    # model.forward runs this check itself; the layer-by-layer paths here bypass forward, so they call it.
+    check_token_ids(ids, model.config.vocab_size)
 
 
 def _kv_projection(self_attn: torch.nn.Module, positions: torch.Tensor, x: torch.Tensor

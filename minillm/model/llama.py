@@ -18,6 +18,17 @@ from minillm.config import LlamaConfig
 from minillm.model.layers import RMSNorm, RotaryEmbedding, share_rotary_cache
 
 
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuse ``input_ids`` that are not integer token ids in ``[0, vocab_size)``, naming the bad ones, before an
+    embedding lookup fails on them deep inside the model."""
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got {bad[:8].tolist()}"
+                         f"{' ...' if bad.numel() > 8 else ''}")
+
+
 class LlamaAttention(nn.Module):
     """Project to q, k, v; rotate q and k; attend through ``attn``; project back.
 
@@ -156,14 +167,10 @@ class LlamaForCausalLM(nn.Module):
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D [num_tokens] (tokens are laid out flat), got shape "
                              f"{tuple(input_ids.shape)}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if positions is not None and tuple(positions.shape) != tuple(input_ids.shape):
             raise ValueError(f"positions must have the shape of input_ids {tuple(input_ids.shape)} (one position per "
                              f"token), got {tuple(positions.shape)}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got min {int(input_ids.min())}, "
-                             f"max {int(input_ids.max())}")
+        check_token_ids(input_ids, self.config.vocab_size)
         if positions is None:
             positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         if attn is None:

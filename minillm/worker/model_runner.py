@@ -207,11 +207,12 @@ class ModelRunner:
         drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]
         for i, s in enumerate(states):
             c, n = int(num_computed[i]), int(num_sched[i])
-            tokens = s.token_ids + drafts[i] if drafts[i] else s.token_ids
-            if c + n != len(tokens) and (drafts[i] or c + n > len(tokens)):
+            known = len(s.token_ids) + len(drafts[i])
+            if c + n > known or (drafts[i] and c + n != known):  # drafts are always the last scheduled tokens
                 raise RuntimeError(f"request {s.req_id!r}: scheduled tokens {c}..{c + n} but the runner knows "
                                    f"{len(s.token_ids)} tokens and {len(drafts[i])} drafts")
-            input_ids[query_start_loc[i]:query_start_loc[i] + n] = tokens[c:c + n]
+            # Slice before appending the drafts: copying the whole history every step would cost O(seq_len).
+            input_ids[query_start_loc[i]:query_start_loc[i] + n] = s.token_ids[c:c + n] + drafts[i]
 
         max_blocks = max(len(s.block_ids) for s in states)
         if self._block_table_np.shape[0] < num_reqs or self._block_table_np.shape[1] < max_blocks:
@@ -305,8 +306,10 @@ class ModelRunner:
         ends = (inputs.query_start_loc[1:] - 1).tolist()
         sel = torch.tensor([j for r, d in zip(rows, drafts) for j in range(ends[r] - len(d), ends[r] + 1)],
                            dtype=torch.long, device=self.device)
-        spec = SpecDecodeMetadata.make(drafts)  # rows of hidden[sel]: each request's d + 1 rows in a row
-        logits = self.model.compute_logits(hidden[sel][spec.logits_indices.to(self.device)])
+        # Without a query_start_loc, make() lays each request's d + 1 rows side by side, as sel does: its
+        # logits_indices are 0 .. len(sel) - 1, the rows of hidden[sel] in order.
+        spec = SpecDecodeMetadata.make(drafts)
+        logits = self.model.compute_logits(hidden[sel])
         states = [self.requests[inputs.req_ids[r]] for r in rows]
         out = self.rejection_sampler(spec, None, logits, self._sampling_metadata(states))
         for r, s, tokens in zip(rows, states, RejectionSampler.parse_output(out.sampled_token_ids, self.vocab_size)):

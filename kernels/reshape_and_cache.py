@@ -61,8 +61,23 @@ def _reshape_and_cache_kernel(
     tl.store(dst_v, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def check_slot_values(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Raise ``ValueError`` if a slot of ``slot_mapping`` (``[num_tokens]``) lies beyond a cache of ``num_blocks``
+    blocks of ``block_size`` slots (negative slots are padding and allowed)."""
+    # vLLM trusts its scheduler and checks none of this; in a teaching kernel a slot beyond the cache should be an
+    # error, not a write outside it (a crashed interpreter or GPU context). One small copy (a sync on a GPU).
+    if slot_mapping.numel() == 0:
+        return
+    slots = slot_mapping.cpu()
+    t = int(slots.argmax())
+    if slots[t] >= num_blocks * block_size:
+        raise ValueError(f"slot_mapping[{t}] = {int(slots[t])}, but the cache holds only {num_blocks * block_size} "
+                         f"slots ({num_blocks} blocks of {block_size}): slots must be < {num_blocks * block_size}, "
+                         f"or negative for padding")
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, *, check_values: bool = True) -> None:
     """Scatter ``key``/``value`` rows into the paged caches, in place.
 
     Args:
@@ -70,6 +85,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
         slot_mapping: ``[num_tokens]`` integer; token ``t`` goes to block ``slot // block_size``, row
             ``slot % block_size``. Slots ``< 0`` are padding and are skipped.
+        check_values: check that no slot lies beyond the cache (:func:`check_slot_values`; on a GPU a sync). A
+            caller that checked this step's ``slot_mapping`` once for all layers passes ``False``.
 
     Raises:
         ValueError: on mismatched shapes, dtypes or devices, or a slot beyond the cache.
@@ -89,14 +106,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if num_tokens == 0:
         return
     num_blocks, block_size = key_cache.shape[:2]
-    # vLLM trusts its scheduler and checks none of this; in a teaching kernel a slot beyond the cache should be an
-    # error, not a write outside it (a crashed interpreter or GPU context). One small copy (a sync on a GPU).
-    slots = slot_mapping.cpu()
-    t = int(slots.argmax())
-    if slots[t] >= num_blocks * block_size:
-        raise ValueError(f"slot_mapping[{t}] = {int(slots[t])}, but the cache holds only {num_blocks * block_size} "
-                         f"slots ({num_blocks} blocks of {block_size}): slots must be < {num_blocks * block_size}, "
-                         f"or negative for padding")
+    if check_values:
+        check_slot_values(slot_mapping, num_blocks, block_size)
 
     row = num_kv_heads * head_dim
     block_t = 16 if key.device.type == "cpu" else 4  # fewer, larger programs are what the interpreter likes

@@ -323,6 +323,7 @@ def unified_attention(
     block_m: int | None = None,
     tile_size: int | None = None,
     num_kv_splits: int | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Attention of a varlen batch of query chunks over their paged K/V history (causal with offset, GQA).
 
@@ -339,6 +340,9 @@ def unified_attention(
         scale: softmax scale, default ``1/sqrt(head_dim)``.
         out: optional ``[num_tokens, num_heads, head_dim]`` tensor to write into.
         block_m, tile_size, num_kv_splits: override the launch configuration (see :func:`choose_config`).
+        check_values: run :func:`check_batch_values` (on a GPU it copies the index tensors to the host: a sync).
+            A caller that checked this step's metadata once for all layers passes ``False``, as
+            :class:`~minillm.attention.paged.PagedAttention` does; shapes, dtypes and devices are checked anyway.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype`` (softmax accumulated in fp32).
@@ -377,8 +381,9 @@ def unified_attention(
         raise ValueError(f"need 0 <= max_query_len <= max_seq_len, got {max_query_len} and {max_seq_len}")
     on_same_device(q=q, key_cache=key_cache, value_cache=value_cache, query_start_loc=query_start_loc,
                    seq_lens=seq_lens, block_table=block_table)
-    check_batch_values(query_start_loc, seq_lens, block_table, num_tokens, max_seq_len, block_size,
-                       key_cache.shape[0])
+    if check_values:
+        check_batch_values(query_start_loc, seq_lens, block_table, num_tokens, max_seq_len, block_size,
+                           key_cache.shape[0])
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.device != q.device:

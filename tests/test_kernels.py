@@ -218,6 +218,45 @@ def test_unified_attention_rejects_bad_index_values(case):
     assert (out == 123.0).all()  # rejected before any kernel ran
 
 
+def test_paged_attention_checks_index_values_once_per_step(monkeypatch):
+    """The engine's Triton path checks a step's metadata once for all layers (on a GPU every check is a host sync),
+    and still refuses bad values before any kernel runs."""
+    from minillm.attention.metadata import AttentionMetadata
+    from minillm.attention.paged import PagedAttention
+
+    kw = _bad_index_batch()
+    num_tokens = kw["q"].shape[0]
+    slots = torch.arange(num_tokens, dtype=torch.int64)  # any distinct slots in the 6 x 16 cache
+
+    def metadata(**spoil):
+        fields = dict(query_start_loc=kw["query_start_loc"], seq_lens=kw["seq_lens"], block_table=kw["block_table"],
+                      slot_mapping=slots, max_query_len=3, max_seq_len=8)
+        fields.update({k: torch.tensor(v, dtype=fields[k].dtype) for k, v in spoil.items()})
+        return AttentionMetadata(**fields)
+
+    caches = [(kw["key_cache"].clone(), kw["value_cache"].clone()) for _ in range(3)]
+    calls = []
+    ua = sys.modules["kernels.unified_attention"]  # the package attribute of that name is the function
+    real = ua.check_batch_values
+    monkeypatch.setattr(ua, "check_batch_values", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    attn = PagedAttention(caches, metadata(), backend="triton")
+    k = torch.randn(num_tokens, 1, 16)
+    outs = [attn.forward(layer, kw["q"], k, k) for layer in range(3)]
+    assert len(calls) == 1  # three layers, one check
+    want = paged_reference_attention(kw["q"], *caches[0], kw["query_start_loc"], kw["seq_lens"], kw["block_table"])
+    assert all((o - want).abs().max() < ATOL[torch.float32] for o in outs)
+    attn.metadata = metadata()  # the next step's metadata is checked again
+    attn.forward(0, kw["q"], k, k)
+    assert len(calls) == 2
+
+    for spoil, message in [(dict(slot_mapping=[0, 1, 2, 3, 4, 96]), r"slot_mapping\[5\] = 96"),
+                           (dict(block_table=[[0], [6], [1]]), r"block_table\[1, 0\] = 6")]:
+        before = [c[0].clone() for c in caches]
+        with pytest.raises(ValueError, match=message):
+            PagedAttention(caches, metadata(**spoil), backend="triton").forward(1, kw["q"], k, k)
+        assert all(torch.equal(b, c[0]) for b, c in zip(before, caches))  # nothing was written
+
+
 def test_unified_attention_empty_batch_needs_no_tokens():
     """No requests: query_start_loc is [0] and q has no rows; rows without a request would be left unwritten."""
     kwargs = _bad_index_batch()

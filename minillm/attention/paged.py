@@ -202,6 +202,7 @@ class PagedAttention:
         self.metadata = metadata
         self.backend = backend
         self._kernels = None
+        self._checked_metadata: AttentionMetadata | None = None
         if backend == "triton":
             import kernels  # lazily: the torch backend must work without Triton
 
@@ -224,9 +225,23 @@ class PagedAttention:
         if self._kernels is None:
             reshape_and_cache_torch(k, v, key_cache, value_cache, md.slot_mapping)
             return paged_attention_torch(q, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_table)
-        self._kernels.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        if md is not self._checked_metadata:
+            # The index values are the same for every layer: check them once per step, not once per layer (on a
+            # GPU each check copies them to the host, a sync that would stall the queue 2 x num_layers times).
+            self._check_metadata_values(md, key_cache)
+        self._kernels.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping, check_values=False)
         return self._kernels.unified_attention(q, key_cache, value_cache, md.query_start_loc, md.seq_lens,
-                                               md.block_table, md.max_query_len, md.max_seq_len)
+                                               md.block_table, md.max_query_len, md.max_seq_len, check_values=False)
+
+    def _check_metadata_values(self, md: AttentionMetadata, key_cache: torch.Tensor) -> None:
+        from kernels.reshape_and_cache import check_slot_values
+        from kernels.unified_attention import check_batch_values
+
+        num_blocks, block_size = key_cache.shape[:2]
+        check_slot_values(md.slot_mapping, num_blocks, block_size)
+        check_batch_values(md.query_start_loc, md.seq_lens, md.block_table, int(md.slot_mapping.shape[0]),
+                           md.max_seq_len, block_size, num_blocks)
+        self._checked_metadata = md
 
 
 def forward_paged(model: torch.nn.Module, kv_caches: list[KVCache], token_ids: Sequence[Sequence[int]],

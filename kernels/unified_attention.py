@@ -13,8 +13,11 @@ How the work is split (the *grid*):
   by binary search over ``query_start_loc`` on the device, so the host never has to build a work list. A few
   programs at the end of each request find no tokens and return at once.
 - axis 1, *KV heads* (grouped-query attention): a program loads each K/V tile **once** for its KV head and uses it
-  for all ``num_queries_per_kv`` query heads of the group, stacked as rows: its query tile has ``BLOCK_M = BLOCK_Q *
-  num_queries_per_kv`` rows, row ``m`` being token ``m // num_queries_per_kv``, head ``m % num_queries_per_kv``.
+  for all ``num_queries_per_kv`` query heads of the group, stacked as rows, row ``m`` being token
+  ``m // num_queries_per_kv``, head ``m % num_queries_per_kv``. The tile height ``BLOCK_M`` is chosen first (a power
+  of two >= 16 and >= ``num_queries_per_kv``); the tokens per program follow, rounded down: ``BLOCK_Q = BLOCK_M //
+  num_queries_per_kv``. Rows past ``BLOCK_Q * num_queries_per_kv`` are padding, masked (one of 16 when the group
+  is 3).
 - axis 2, *KV segments* (split-KV, "flash decoding"): a decode batch of a few requests has too few query blocks to
   fill a GPU, so the KV range of each block is cut into ``NUM_SEGMENTS`` pieces computed by separate programs, then
   merged by a second small kernel (the same LSE merge as ``minillm.attention.reference.merge_attn_states``).
@@ -23,8 +26,11 @@ Inside a program: online softmax over KV tiles of ``TILE_SIZE`` keys. Key positi
 ``block_table[i, j // block_size]`` at row ``j % block_size``; the tile loop stops at the last key any of the
 block's queries may see, and the causal mask removes the rest.
 
-vLLM counterpart: ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``,
-``kernel_unified_attention_2d``, ``kernel_unified_attention_3d``, ``reduce_segments``). vLLM adds sliding windows,
+vLLM counterpart: ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``, ``reduce_segments``
+and, in newer versions, one ``kernel_unified_attention`` whose ``IS_3D`` constexpr selects the split-KV launch;
+older versions, also at ``vllm/attention/ops/triton_unified_attention.py``, have ``kernel_unified_attention_2d``
+and ``kernel_unified_attention_3d``). vLLM uses ``BLOCK_M = 16`` query rows for every batch (more only for a group
+above 16); this kernel takes taller tiles for a prefill (see :func:`choose_config`). vLLM adds sliding windows,
 ALiBi, soft-capping, attention sinks, fp8 KV caches with scales, and tuned launch configurations per GPU.
 """
 from __future__ import annotations
@@ -79,8 +85,8 @@ def _unified_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,     # power of two >= 16
     BLOCK_SIZE: tl.constexpr,          # tokens per cache block
-    BLOCK_Q: tl.constexpr,             # query tokens per program
-    BLOCK_M: tl.constexpr,             # rows of the query tile, >= BLOCK_Q * NUM_QUERIES_PER_KV, power of two >= 16
+    BLOCK_Q: tl.constexpr,             # query tokens per program: BLOCK_M // NUM_QUERIES_PER_KV (rounded down)
+    BLOCK_M: tl.constexpr,             # rows of the query tile: power of two >= 16 and >= NUM_QUERIES_PER_KV
     TILE_SIZE: tl.constexpr,           # keys per iteration, power of two >= 16
     NUM_SEGMENTS: tl.constexpr,        # 1: write the output; > 1: write partial results for the reduce kernel
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs (no TF32 rounding on a GPU)

@@ -6,8 +6,12 @@ tiles, contexts that end inside a cache block, decodes mixed with prefills, GQA 
 
 Tolerances (absolute, against an fp32 reference computed from the *same* inputs, upcast):
 - fp32: 1e-4. Kernel and reference differ only in summation order (tiles, online rescaling); measured ~1e-6.
-- fp16: 2e-3. The kernel rounds the probabilities to fp16 before ``P @ V`` (relative error 2^-11) and the output
-  to fp16 (half an ulp: <= 2^-11 * |out|, |out| <= max |v| ~ 4 for unit normal values); measured ~7e-4.
+- fp16: 2e-3, a measured tolerance with a margin, not a bound (notebook 03 says the same). Measured up to 1.1e-3
+  (the fp16 cases below and notebook 03), nearly all of it the rounding of the output to fp16: half an ulp, 2^-10
+  ~ 9.8e-4 for 2 <= |out| < 4 (|out| <= max |v|, under 4 for these unit-normal values). The probabilities rounded
+  to fp16 before ``P @ V`` (relative 2^-11 each) could add up to 2^-11 * max |v| ~ 2e-3 in the worst case but
+  mostly cancel. 2e-3 is about a 2x margin over the measured error; the worst-case budget (~3e-3) would be looser than
+  needed to catch a bug.
 """
 from __future__ import annotations
 

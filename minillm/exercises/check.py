@@ -28,10 +28,12 @@ def _compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
                 return f"values differ at indices {bad}"
             return None
         if not torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol, equal_nan=True):
-            # NaN where the reference is finite must count as the largest difference, not vanish from max().
-            diff = torch.nan_to_num((got.float() - want.float()).abs(), nan=float("inf"))
-            both_nan = torch.isnan(got.float()) & torch.isnan(want.float())
-            diff = diff.masked_fill(both_nan, 0.0)
+            # NaN where the reference is finite must count as the largest difference, not vanish from max(); an
+            # infinite difference stays inf (nan_to_num would otherwise turn it into the largest finite float).
+            diff = torch.nan_to_num((got.float() - want.float()).abs(), nan=float("inf"), posinf=float("inf"))
+            # Equal entries (the same infinity on both sides included: inf - inf is NaN) and NaN on both sides agree.
+            same = (got.float() == want.float()) | (torch.isnan(got.float()) & torch.isnan(want.float()))
+            diff = diff.masked_fill(same, 0.0)
             idx = tuple(torch.nonzero(diff == diff.max())[0].tolist()) if diff.numel() else ()
             return f"max abs difference {diff.max().item():.3g} at index {idx} (tolerance atol={atol}, rtol={rtol})"
         return None

@@ -78,3 +78,20 @@ def test_check_cases_names_the_differing_case_even_with_nan():
     with pytest.raises(AssertionError, match=r"shape \(1,\) != expected \(2,\)"):
         check_cases(lambda x: x[:1], ref, [{"x": torch.tensor([0.0, 2.0])}])
     assert check_cases(ref, ref, [{"x": torch.tensor([float("nan")])}]) == 1
+
+
+def test_check_cases_reports_the_real_difference_next_to_matching_infinities():
+    """Logits rows hold -inf on masked tokens: equal infinities must not be blamed (inf - inf is NaN), and a real
+    infinite difference must read as inf, not as the largest finite float."""
+    import torch
+
+    from minillm.exercises import check_cases
+
+    def ref(x):
+        return x
+
+    x = torch.tensor([float("-inf"), 1.0, 2.0])
+    with pytest.raises(AssertionError, match=r"max abs difference 0\.5 at index \(2,\)"):
+        check_cases(lambda x: x + torch.tensor([0.0, 0.0, 0.5]), ref, [{"x": x}])
+    with pytest.raises(AssertionError, match=r"max abs difference inf at index \(1,\)"):
+        check_cases(lambda x: torch.where(x == 1.0, float("inf"), x), ref, [{"x": x}])

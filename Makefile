@@ -20,11 +20,12 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 
 setup: $(STAMP)
 
+# Served from the repository root, so notebooks/, exercises/ and solutions/ are all reachable.
 # LAB_ARGS passes extra options, e.g. make lab LAB_ARGS="--no-browser --port=8899"
 # Jupyter refuses to run as root without --allow-root (containers, CI).
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ROOT) $(LAB_ARGS)
+	$(VENV)/bin/jupyter lab --notebook-dir=. $(LAB_ROOT) $(LAB_ARGS)
 
 # Two xdist workers on CI's 2 cores: one BLAS thread each, or they fight over the cores (measured: 10x slower).
 # --dist loadfile keeps each notebook (whose cells are test items sharing one kernel) on one worker.

@@ -1,4 +1,6 @@
-"""``make lab`` starts JupyterLab serving notebooks/: start it on a free port, fetch /lab, stop it."""
+"""``make lab`` starts JupyterLab at the repository root (chapters, exercises and solutions all reachable): start it
+on a free port, fetch /lab and the folder listings, stop it."""
+import json
 import os
 import signal
 import socket
@@ -34,8 +36,13 @@ def test_make_lab_serves_the_notebooks():
                 time.sleep(1)
         assert body is not None, f"JupyterLab did not answer: {proc.stdout.read(4000) if proc.poll() else ''}"
         assert b"JupyterLab" in body
-        listing = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents?token={token}", timeout=10).read()
-        assert b"00_welcome.ipynb" in listing, "JupyterLab must serve notebooks/"
+        def listing(path: str) -> set[str]:
+            url = f"http://127.0.0.1:{port}/api/contents/{path}?token={token}"
+            return {item["name"] for item in json.loads(urllib.request.urlopen(url, timeout=10).read())["content"]}
+
+        assert {"notebooks", "exercises", "solutions"} <= listing(""), "a learner must reach the exercises too"
+        assert "00_welcome.ipynb" in listing("notebooks")
+        assert "00_warmup.ipynb" in listing("exercises")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -101,6 +101,8 @@ class TimedRun:
         outputs: request id -> generated token ids.
         ttft: request id -> seconds from its arrival to the end of the step that produced its first token.
         itl: request id -> seconds between its consecutive tokens (inter-token latencies).
+        itl_cpu: the same gaps in CPU seconds of this process (all its threads). Other programs busy on the machine
+            stretch wall-clock gaps but not these, so comparisons that must hold under load use them.
         step_seconds: wall time of each step (schedule + model + update).
         step_tokens: tokens scheduled in each step.
         first_token_step: request id -> step index of its first token.
@@ -111,6 +113,7 @@ class TimedRun:
     outputs: dict[str, list[int]]
     ttft: dict[str, float] = field(default_factory=dict)
     itl: dict[str, list[float]] = field(default_factory=dict)
+    itl_cpu: dict[str, list[float]] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
     first_token_step: dict[str, int] = field(default_factory=dict)
@@ -140,6 +143,7 @@ def run_timed(model: LlamaForCausalLM, config: SchedulerConfig, prompts: Sequenc
     arrived: dict[str, float] = {}
     requests: dict[str, Request] = {}
     last_token_time: dict[str, float] = {}
+    last_token_cpu: dict[str, float] = {}
     t0 = time.perf_counter()
     step = 0
     while pending or scheduler.has_unfinished_requests():
@@ -152,7 +156,7 @@ def run_timed(model: LlamaForCausalLM, config: SchedulerConfig, prompts: Sequenc
             arrived[rid] = now
         so = scheduler.schedule()
         outs = scheduler.update_from_output(so, runner.execute_model(so))
-        done = time.perf_counter()
+        done, done_cpu = time.perf_counter(), time.process_time()
         run.step_seconds.append(done - now)
         run.step_tokens.append(so.total_num_scheduled_tokens)
         for out in outs:
@@ -161,7 +165,9 @@ def run_timed(model: LlamaForCausalLM, config: SchedulerConfig, prompts: Sequenc
                 run.first_token_step[out.request_id] = step
             elif out.new_token_ids:
                 run.itl.setdefault(out.request_id, []).append(done - last_token_time[out.request_id])
+                run.itl_cpu.setdefault(out.request_id, []).append(done_cpu - last_token_cpu[out.request_id])
             last_token_time[out.request_id] = done
+            last_token_cpu[out.request_id] = done_cpu
             run.outputs[out.request_id].extend(out.new_token_ids)
         step += 1
     run.total_seconds = time.perf_counter() - t0

@@ -415,6 +415,7 @@ def test_simple_runner_on_the_real_model_matches_plain_greedy_generation(model, 
     assert run.first_token_step["a"] == -(-len(prompts[0]) // 8) - 1  # ceil(prompt / budget) steps of prefill
     assert len(run.itl["a"]) == 4 and run.throughput > 0
     assert len(run.itl_cpu["a"]) == 4 and all(x > 0 for x in run.itl_cpu["a"])  # each gap ran the model once
+    assert 0 < run.total_cpu_seconds and run.cpu_throughput > 0
 
 
 def test_compare_schedulers_catches_a_forgotten_preemption_count():

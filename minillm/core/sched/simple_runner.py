@@ -108,6 +108,7 @@ class TimedRun:
         first_token_step: request id -> step index of its first token.
         num_preemptions: request id -> how many times it was preempted.
         total_seconds: wall time of the whole run.
+        total_cpu_seconds: CPU time of this process over the whole run (see ``itl_cpu``).
     """
 
     outputs: dict[str, list[int]]
@@ -119,11 +120,17 @@ class TimedRun:
     first_token_step: dict[str, int] = field(default_factory=dict)
     num_preemptions: dict[str, int] = field(default_factory=dict)
     total_seconds: float = 0.0
+    total_cpu_seconds: float = 0.0
 
     @property
     def throughput(self) -> float:
         """Generated tokens per second over the whole run."""
         return sum(len(v) for v in self.outputs.values()) / self.total_seconds
+
+    @property
+    def cpu_throughput(self) -> float:
+        """Generated tokens per CPU second of this process: throughput that other programs' load does not lower."""
+        return sum(len(v) for v in self.outputs.values()) / self.total_cpu_seconds
 
 
 def run_timed(model: LlamaForCausalLM, config: SchedulerConfig, prompts: Sequence[tuple[str, list[int], int, int]],
@@ -144,7 +151,7 @@ def run_timed(model: LlamaForCausalLM, config: SchedulerConfig, prompts: Sequenc
     requests: dict[str, Request] = {}
     last_token_time: dict[str, float] = {}
     last_token_cpu: dict[str, float] = {}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     step = 0
     while pending or scheduler.has_unfinished_requests():
         now = time.perf_counter()
@@ -171,5 +178,6 @@ def run_timed(model: LlamaForCausalLM, config: SchedulerConfig, prompts: Sequenc
             run.outputs[out.request_id].extend(out.new_token_ids)
         step += 1
     run.total_seconds = time.perf_counter() - t0
+    run.total_cpu_seconds = time.process_time() - cpu0
     run.num_preemptions = {rid: r.num_preemptions for rid, r in requests.items()}
     return run

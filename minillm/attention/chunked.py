@@ -127,11 +127,6 @@ class ProjectionOnlyAttention:
 # One chunk through the model
 
 
-def _check_token_ids(model: LlamaForCausalLM, ids: torch.Tensor) -> None:
-    # model.forward runs this check itself; the layer-by-layer paths here bypass forward, so they call it.
-    check_token_ids(ids, model.config.vocab_size)
-
-
 def _kv_projection(self_attn: torch.nn.Module, positions: torch.Tensor, x: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """K (rotated) and V of ``x`` ``[n, hidden]`` without computing Q: ``[n, num_kv_heads, head_dim]`` each."""
@@ -176,7 +171,7 @@ def prefill_chunk(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: t
     if input_ids.dim() != 1 or positions.shape != input_ids.shape or input_ids.numel() == 0:
         raise ValueError(f"input_ids and positions must both be [n] with n >= 1, got {tuple(input_ids.shape)} and "
                          f"{tuple(positions.shape)}")
-    _check_token_ids(model, input_ids)
+    check_token_ids(input_ids, model.config.vocab_size)  # model.forward's check: this layer-by-layer path bypasses it
     ctx_len = (cache.cache if isinstance(cache, ProjectionOnlyAttention) else cache).num_tokens
     start = int(positions[0])
     expected = torch.arange(start, start + positions.numel(), device=positions.device)
@@ -270,12 +265,14 @@ def _new_cache(model: LlamaForCausalLM, capacity: int) -> RecordingKVCache:
 
 def _check_ids(model: LlamaForCausalLM, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """``input_ids`` as a ``[num_tokens]`` int64 tensor on the model's device, checked before any chunk runs."""
-    if isinstance(input_ids, torch.Tensor):
-        _check_token_ids(model, input_ids)  # before the cast to int64, which would truncate floats silently
+    given_tensor = isinstance(input_ids, torch.Tensor)
+    if given_tensor:
+        check_token_ids(input_ids, model.config.vocab_size)  # before the cast to int64, which would truncate floats
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.device)
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
-    _check_token_ids(model, ids)
+    if not given_tensor:
+        check_token_ids(ids, model.config.vocab_size)
     return ids
 
 

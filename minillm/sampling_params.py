@@ -32,8 +32,9 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
-def _is_int(x: object) -> bool:
-    # bool is an int subclass; `max_tokens=True` is a bug, not 1.
+def is_int(x: object) -> bool:
+    """A Python, NumPy or other ``numbers.Integral`` integer, but not a bool: ``bool`` is an int subclass, and
+    ``max_tokens=True`` (or a token id, a rank, a seed of ``True``) is a bug, not 1."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
@@ -113,7 +114,7 @@ class SamplingParams:
         else:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r} "
                              f"({type(self.stop_token_ids).__name__})")
-        if _is_int(self.top_k) and self.top_k == -1:
+        if is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0  # vLLM accepts -1 as the old spelling of "no top-k"
 
     # ---------------------------------------------------------------- validation
@@ -130,7 +131,7 @@ class SamplingParams:
             v = getattr(self, name)
             if v is None and allow_none:
                 return None
-            if not _is_int(v):
+            if not is_int(v):
                 allowed = "an integer or None" if allow_none else "an integer"
                 raise ValueError(f"{name} must be {allowed}, got {v!r} ({type(v).__name__})")
             return v
@@ -165,7 +166,7 @@ class SamplingParams:
             if s == "":
                 raise ValueError("stop cannot contain an empty string (it would match immediately)")
         for tid in self.stop_token_ids:
-            if not _is_int(tid) or tid < 0:
+            if not is_int(tid) or tid < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got an element {tid!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")

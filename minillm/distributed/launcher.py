@@ -33,6 +33,7 @@ from minillm.config import LlamaConfig
 from minillm.distributed.comm import CollectiveError
 from minillm.distributed.context_parallel import STRATEGIES, RankPrefillOutput
 from minillm.distributed.splits import ContextSplit, make_split
+from minillm.sampling_params import is_int
 
 
 class ContextParallelError(RuntimeError):
@@ -112,11 +113,6 @@ def _from_bytes(data: bytes):
 # argument checks, in the parent, before anything reaches a worker
 # ---------------------------------------------------------------------------------------------------------------
 
-def _is_int(x: object) -> bool:
-    """A Python or NumPy integer, not a bool (``True`` is an ``int`` in Python, never a token id or a rank)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _check_timeout(name: str, value: object) -> float:
     """``value`` as a float if it is a finite number of seconds > 0, else ValueError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
@@ -137,7 +133,7 @@ def _check_input_ids(input_ids: object, vocab_size: int) -> list[int]:
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         ids = [int(t) for t in input_ids.tolist()]
     elif isinstance(input_ids, (list, tuple)):
-        bad = next((t for t in input_ids if not _is_int(t)), None)
+        bad = next((t for t in input_ids if not is_int(t)), None)
         if bad is not None:
             raise ValueError(f"input_ids must be a flat list of int token ids [num_tokens], got an element {bad!r} "
                              f"of type {type(bad).__name__}")
@@ -220,7 +216,7 @@ class ContextParallelExecutor:
 
     def __init__(self, models: dict[str, torch.nn.Module], world_size: int, timeout_s: float = 60.0,
                  start_timeout_s: float = 180.0) -> None:
-        if not _is_int(world_size) or world_size < 1:
+        if not is_int(world_size) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not models:
             raise ValueError("give at least one model")
@@ -288,7 +284,7 @@ class ContextParallelExecutor:
         # Every check happens here, in the parent: a bad argument that reached the workers would fail there, come
         # back as a worker traceback and close the executor for good.
         world_size = self.world_size if world_size is None else world_size
-        if not _is_int(world_size) or not 1 <= world_size <= self.world_size:
+        if not is_int(world_size) or not 1 <= world_size <= self.world_size:
             raise ValueError(f"world_size must be an int in [1, {self.world_size}], got {world_size!r}")
         if model not in self._configs:
             raise ValueError(f"unknown model {model!r}; have {sorted(self._configs)}")
@@ -296,9 +292,9 @@ class ContextParallelExecutor:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         timeout_s = self.timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
-        if fail_rank is not None and (not _is_int(fail_rank) or not 0 <= fail_rank < world_size):
+        if fail_rank is not None and (not is_int(fail_rank) or not 0 <= fail_rank < world_size):
             raise ValueError(f"fail_rank must be None or an int in [0, {world_size}), got {fail_rank!r}")
-        if not _is_int(fail_at_layer) or not 0 <= fail_at_layer < config.num_hidden_layers:
+        if not is_int(fail_at_layer) or not 0 <= fail_at_layer < config.num_hidden_layers:
             raise ValueError(f"fail_at_layer must be an int in [0, {config.num_hidden_layers}), got "
                              f"{fail_at_layer!r}")
         if fail_mode not in ("raise", "hang"):

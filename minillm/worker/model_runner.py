@@ -303,7 +303,7 @@ class ModelRunner:
         """The sampling step when drafts are in the batch: logits for each sampled request's last ``d + 1`` rows
         (its drafts and the token before them), the rejection sampler, then append what it kept."""
         drafts = [inputs.draft_token_ids[r] for r in rows]
-        ends = (inputs.query_start_loc[1:] - 1).tolist()
+        ends = inputs.logits_indices.tolist()  # each request's last row
         sel = torch.tensor([j for r, d in zip(rows, drafts) for j in range(ends[r] - len(d), ends[r] + 1)],
                            dtype=torch.long, device=self.device)
         # Without a query_start_loc, make() lays each request's d + 1 rows side by side, as sel does: its

@@ -155,6 +155,9 @@ class TorchSDPAAttention:
         self.metadata = metadata
         self.block_size = kv_caches[0][0].shape[1]
         self.plan = SDPAPlan(metadata, self.block_size)
+        # Per decode group with several query tokens: its mask repeated for the query heads of a K/V head, built at
+        # the first layer and reused by the others (the plan does not know num_heads; the first q does).
+        self._group_masks: dict[int, torch.Tensor] = {}
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[num_tokens, num_heads, head_dim]``, ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]`` ->
@@ -174,7 +177,7 @@ class TorchSDPAAttention:
         out = torch.empty_like(q)
         num_heads = q.shape[1]
         group = num_heads // num_kv_heads
-        for g in plan.decode_groups:
+        for gi, g in enumerate(plan.decode_groups):
             n, nb = g.block_table.shape
             # index_select of whole blocks, [n * nb, block_size, Hkv, D] -> [n, Hkv, nb * block_size, D]. (Much
             # faster on a CPU than the equivalent advanced indexing key_cache[block_table].)
@@ -189,7 +192,9 @@ class TorchSDPAAttention:
             mq = g.max_q
             qd = q[g.rows].view(n, mq, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
                 n, num_kv_heads, mq * group, head_dim)
-            mask = g.mask.to(q.dtype).repeat_interleave(group, dim=2)  # [n, 1, max_q * group, L]
+            mask = self._group_masks.get(gi)
+            if mask is None:  # [n, 1, max_q * group, L]: row (token t, head h) gets token t's mask
+                mask = self._group_masks[gi] = g.mask.to(q.dtype).repeat_interleave(group, dim=2)
             od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask)
             od = od.view(n, num_kv_heads, mq, group, head_dim).transpose(1, 2).reshape(n, mq, num_heads, head_dim)
             out[g.rows[g.valid]] = od[g.valid]

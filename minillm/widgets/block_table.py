@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.request import Request
+from minillm.widgets.figure_view import FigureView, render_png
 
 _COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974",
            "#64B5CD"]
@@ -60,6 +61,11 @@ def describe_kv_cache(manager: KVCacheManager, requests: Sequence[Request] = ())
     return "\n".join(lines)
 
 
+def block_pool_figsize(num_blocks: int, cols: int = 8) -> tuple[float, float]:
+    """The figure size (inches) that :func:`plot_block_pool` uses for ``num_blocks`` cells in ``cols`` columns."""
+    return 1.1 * cols, 0.9 * -(-num_blocks // cols) + 0.8
+
+
 def plot_block_pool(manager: KVCacheManager, ax=None, title: str | None = None, cols: int = 8):
     """Draw every block as a cell: colour = owning request (hatched when shared), light grey = free but cached
     (reusable by hash), white = free and empty, black = the null block. Returns the axes."""
@@ -69,7 +75,7 @@ def plot_block_pool(manager: KVCacheManager, ax=None, title: str | None = None, 
     n = manager.num_blocks
     rows = -(-n // cols)
     if ax is None:
-        _, ax = plt.subplots(figsize=(1.1 * cols, 0.9 * rows + 0.8))
+        _, ax = plt.subplots(figsize=block_pool_figsize(n, cols))
     order = list(manager.req_to_blocks)
     color_of = {rid: _COLORS[i % len(_COLORS)] for i, rid in enumerate(order)}
     holders = _holders(manager)
@@ -177,16 +183,8 @@ class BlockTableWidget:
 
     # -- the ipywidgets front-end ----------------------------------------------------------------------------------
     def _render(self, status: str = "") -> None:
-        import matplotlib.pyplot as plt
-
-        out = self._ui["out"]
-        out.clear_output(wait=True)
-        with out:
-            if status:
-                print(status)
-            self.plot()
-            plt.show()
-            print(self.state_text())
+        png = render_png(lambda fig: self.plot(ax=fig.add_subplot()), block_pool_figsize(self.num_blocks))
+        self._ui["view"].show(status, png, self.state_text())
         self._ui["req"].options = sorted(self.requests)
 
     def ui(self):
@@ -200,8 +198,8 @@ class BlockTableWidget:
         append = w.Button(description="append tokens")
         free = w.Button(description="free")
         reset = w.Button(description="reset")
-        out = w.Output()
-        self._ui = {"out": out, "req": req}
+        view = FigureView()
+        self._ui = {"view": view, "req": req}
 
         def act(fn):
             def handler(_):
@@ -216,4 +214,4 @@ class BlockTableWidget:
         free.on_click(act(lambda: self.free(req.value) if req.value else "no request selected"))
         reset.on_click(act(self.reset))
         self._render()
-        return w.VBox([w.HBox([prompt, add, reset]), w.HBox([req, n, append, free]), out])
+        return w.VBox([w.HBox([prompt, add, reset]), w.HBox([req, n, append, free]), view.widget])

@@ -20,7 +20,9 @@ from minillm.core.sched.output import SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
+from minillm.widgets.figure_view import FigureView, render_png
 
+_STEPPER_FIGSIZE = (10, 5.2)
 _COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974",
            "#64B5CD"]
 
@@ -256,21 +258,24 @@ class SchedulerStepper:
         return "\n".join(lines)
 
     def plot(self):
-        """The run so far: tokens per step, then queues and KV blocks."""
+        """The run so far: tokens per step, then queues and KV blocks (a pyplot figure, for a notebook cell)."""
         import matplotlib.pyplot as plt
 
-        fig, (a, b) = plt.subplots(2, 1, figsize=(10, 5.2), sharex=True)
+        fig = plt.figure(figsize=_STEPPER_FIGSIZE)
+        self._draw(fig)
+        return fig
+
+    def _draw(self, fig) -> None:
+        a, b = fig.subplots(2, 1, sharex=True)
         if self.result.steps:
             plot_schedule(self.result.steps, ax=a)
             plot_queues(self.result.steps, self.scheduler.kv_cache_manager.num_blocks - 1, ax=b)
         fig.tight_layout()
-        return fig
 
     # -- the ipywidgets front-end ----------------------------------------------------------------------------------
     def ui(self):
         """Buttons around :meth:`step`, :meth:`add_request` and :meth:`set_budget` (an ``ipywidgets.VBox``)."""
         import ipywidgets as w
-        import matplotlib.pyplot as plt
 
         step_btn = w.Button(description="step")
         prompt = w.BoundedIntText(value=12, min=1, max=self.scheduler.max_model_len - 1, description="prompt len",
@@ -281,15 +286,10 @@ class SchedulerStepper:
         add_btn = w.Button(description="add request")
         budget = w.IntSlider(value=self.scheduler.max_num_scheduled_tokens, min=self.scheduler.max_num_running_reqs,
                              max=4 * self.scheduler.max_num_scheduled_tokens, description="budget")
-        out = w.Output()
+        view = FigureView()
 
         def render(status: str) -> None:
-            out.clear_output(wait=True)
-            with out:
-                print(status)
-                self.plot()
-                plt.show()
-                print(self.state_text())
+            view.show(status, render_png(self._draw, _STEPPER_FIGSIZE), self.state_text())
 
         def act(fn):
             def handler(_):
@@ -303,5 +303,5 @@ class SchedulerStepper:
         add_btn.on_click(act(lambda: self.add_request(prompt.value, max_tokens.value, priority.value)))
         budget.observe(lambda change: act(lambda: self.set_budget(change["new"]))(None), names="value")
         render("press 'step' to schedule one step")
-        return w.VBox([w.HBox([step_btn, budget]), w.HBox([prompt, max_tokens, priority, add_btn]), out])
+        return w.VBox([w.HBox([step_btn, budget]), w.HBox([prompt, max_tokens, priority, add_btn]), view.widget])
 

@@ -84,6 +84,13 @@ class BlockPool:
         block.reset_hash()
         return True
 
+    def evict_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take ``blocks`` out of the prefix cache (their content is not trusted, e.g. a step that was to write it
+        failed); they stay allocated to whoever holds them."""
+        if self.enable_caching:
+            for block in blocks:
+                self._maybe_evict_cached_block(block)
+
     # -- allocation -----------------------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the front of the free queue (evicting any cached content), ref 1 each."""

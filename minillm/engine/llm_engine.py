@@ -36,6 +36,12 @@ from minillm.worker.model_runner import ModelRunner
 PromptType = str | Sequence[int]
 
 
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages name the bad value without quoting a huge one."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 @dataclass
 class EngineStats:
     """Counters since the engine was created (for tests, benchmarks and the notebook).
@@ -146,14 +152,24 @@ class LLMEngine:
             raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
             return None, self._check_token_ids(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__} "
+                         f"{short_repr(prompt)}")
 
     def _check_token_ids(self, ids: Any) -> list[int]:
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        given = ids
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist() if ids.dim() == 1 else None
+        elif isinstance(ids, (list, tuple)):
+            ids = list(ids)
+        else:  # None, an int, a string, a dict...: list() of them raises TypeError or gives characters
+            ids = None
+        if ids is None:
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {short_repr(given)}")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token ids must be integers in [0, {vocab}) (the vocabulary), got {bad[:5]!r}")
+            raise ValueError(f"token ids must be integers in [0, {vocab}) (the vocabulary), got "
+                             f"{short_repr(bad[:5])}")
         return ids
 
     def _check_params(self, params: Any, prompt_len: int) -> SamplingParams:
@@ -179,29 +195,29 @@ class LLMEngine:
             changes["max_tokens"] = self.max_model_len - prompt_len  # "until the context is full"
         return params.clone(**changes)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        """Queue a request; it runs from the next :meth:`step` on.
+    def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                       priority: int = 0, arrival_time: float | None = None) -> tuple[Request, str | None]:
+        """Check and tokenize one request without touching the engine's state; :meth:`add_request` queues it.
 
-        Args:
-            request_id: a unique, non-empty string (unique among unfinished requests).
-            prompt: text (tokenized with the engine's tokenizer), a list of token ids, or a dict with
-                ``"prompt"`` or ``"prompt_token_ids"`` (vLLM's ``TextPrompt`` / ``TokensPrompt``).
-            params: how to sample and when to stop (default ``SamplingParams()``); ``max_tokens=None`` means
-                "until ``max_model_len``".
-            priority: lower runs first under ``scheduling_policy="priority"``.
+        Separate so that a caller adding a batch (:meth:`~minillm.entrypoints.llm.LLM.generate`) can check every
+        request before adding any: a bad element then leaves nothing behind.
+
+        Returns:
+            ``(request, prompt_text)``: the :class:`~minillm.request.Request` to queue and the prompt's text
+            (``None`` when it was given as token ids).
 
         Raises:
-            ValueError: an empty prompt, a prompt that leaves no room for one output token within
-                ``max_model_len``, token ids outside the vocabulary, invalid sampling parameters, or a request id
-                that is not a non-empty string or is already in use.
+            ValueError: everything :meth:`add_request` lists.
+
+        vLLM counterpart: ``InputProcessor.process_inputs`` in ``vllm/v1/engine/input_processor.py`` (older releases:
+        ``Processor`` in ``processor.py``).
         """
         if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+            raise ValueError(f"request_id must be a non-empty string, got {short_repr(request_id)}")
         if request_id in self.output_processor.request_states or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise ValueError(f"priority must be an integer, got {short_repr(priority)}")
         prompt_text, prompt_ids = self._tokenize(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty; give at least one token")
@@ -212,10 +228,39 @@ class LLMEngine:
         params = self._check_params(params, len(prompt_ids))
         request = Request(request_id, prompt_ids, params, eos_token_id=self.eos_token_id, arrival_time=arrival_time,
                           priority=priority)
-        self.output_processor.add_request(request_id, prompt_text, prompt_ids, params)
+        return request, prompt_text
+
+    def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None, prompt_text: str | None = None) -> None:
+        """Queue a request; it runs from the next :meth:`step` on.
+
+        Args:
+            request_id: a unique, non-empty string (unique among unfinished requests).
+            prompt: text (tokenized with the engine's tokenizer), a list of token ids, or a dict with
+                ``"prompt"`` or ``"prompt_token_ids"`` (vLLM's ``TextPrompt`` / ``TokensPrompt``); or a
+                :class:`~minillm.request.Request` that :meth:`process_inputs` returned for ``request_id`` (then
+                ``params``, ``priority`` and ``arrival_time`` are already in it, and ``prompt_text`` goes with it).
+            params: how to sample and when to stop (default ``SamplingParams()``); ``max_tokens=None`` means
+                "until ``max_model_len``".
+            priority: lower runs first under ``scheduling_policy="priority"``.
+
+        Raises:
+            ValueError: an empty prompt, a prompt that leaves no room for one output token within
+                ``max_model_len``, token ids outside the vocabulary (or not a list of ints), invalid sampling
+                parameters, or a request id that is not a non-empty string or is already in use.
+        """
+        if isinstance(prompt, Request):
+            request = prompt
+            if request.request_id != request_id:
+                raise ValueError(f"the processed request is {request.request_id!r}, not {request_id!r}")
+            if request_id in self.output_processor.request_states or request_id in self.scheduler.requests:
+                raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        else:
+            request, prompt_text = self.process_inputs(request_id, prompt, params, priority, arrival_time)
+        self.output_processor.add_request(request_id, prompt_text, request.prompt_token_ids, request.sampling_params)
         try:
             self.scheduler.add_request(request)
-        except ValueError:
+        except BaseException:
             self.output_processor.abort_requests([request_id])
             raise
 
@@ -239,7 +284,35 @@ class LLMEngine:
         new tokens or finished in this step (a request mid-prefill gets none)."""
         if not self.scheduler.has_unfinished_requests():
             return []
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = None
+        try:
+            scheduler_output = self.scheduler.schedule()
+            return self._run_scheduled_step(scheduler_output)
+        except BaseException:
+            # Ctrl-C (KeyboardInterrupt) or an error part-way through a step leaves the scheduler, the runner and
+            # the KV cache out of step with each other; drop the requests the step touched so the engine stays usable.
+            self._abandon_step(scheduler_output)
+            raise
+
+    def _abandon_step(self, scheduler_output: Any) -> None:
+        """Abort the requests a failed step scheduled (all of them when :meth:`Scheduler.schedule` itself failed),
+        and take the blocks that step was to fill out of the prefix cache: they were hashed when allocated, but
+        their K/V may never have been written, and a later prompt with the same prefix must not reuse them."""
+        pool = self.kv_cache_manager.block_pool
+        if scheduler_output is None:  # failed inside schedule(): any request may be half-scheduled, trust no block
+            scheduled = list(self.scheduler.requests)
+            for rid in scheduled:
+                pool.evict_cached_blocks(self.kv_cache_manager.get_blocks(rid))
+        else:
+            scheduled = list(scheduler_output.num_scheduled_tokens)
+            for rid, num_new in scheduler_output.num_scheduled_tokens.items():
+                request = self.scheduler.requests.get(rid)
+                if request is not None:  # blocks before the step's first token held K/V computed earlier
+                    first_unsure = max(request.num_computed_tokens - num_new, 0) // self.block_size
+                    pool.evict_cached_blocks(self.kv_cache_manager.get_blocks(rid)[first_unsure:])
+        self.abort_request(scheduled)
+
+    def _run_scheduled_step(self, scheduler_output: Any) -> list[RequestOutput]:
         if scheduler_output.total_num_scheduled_tokens == 0 and not self.scheduler.running:
             # Nothing runs and the first waiting request cannot be admitted: no later step can change that.
             raise RuntimeError(f"the engine cannot make progress: {self.get_num_unfinished_requests()} request(s) "

@@ -24,8 +24,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
 from minillm.engine.arg_utils import EngineArgs
-from minillm.engine.llm_engine import LLMEngine, PromptType
+from minillm.engine.llm_engine import LLMEngine, PromptType, short_repr
 from minillm.engine.outputs import RequestOutput
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling_params import SamplingParams
@@ -63,6 +65,11 @@ class LLM:
     def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
+        if isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
+            return [prompts]  # one prompt given as a tensor of token ids
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a dict, a list of token ids or a list of those, got "
+                             f"{type(prompts).__name__} {short_repr(prompts)}")
         prompts = list(prompts)
         if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
             return [prompts]  # one prompt given as token ids
@@ -71,25 +78,43 @@ class LLM:
     def _add_requests(self, prompts: list[PromptType],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                       priority: Sequence[int] | None = None) -> list[str]:
+        """Check every request of the batch, then add them all: a bad element (of any kind) or an interrupt
+        leaves nothing of the batch in the engine."""
         if not prompts:
             raise ValueError("no prompts given")
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
             params_list = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one, or "
                                  f"one per prompt")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        else:
+            raise ValueError(f"sampling_params must be a SamplingParams, a dict of its fields, or a list of them, "
+                             f"got {type(sampling_params).__name__}")
+        if priority is None:
+            priorities: list[Any] = [0] * len(prompts)
+        elif isinstance(priority, Sequence) and not isinstance(priority, str) and len(priority) == len(prompts):
+            priorities = list(priority)
+        else:
+            raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got "
+                             f"{short_repr(priority)}")
+        # Phase 1, nothing added yet: tokenize and check every request (vLLM's Processor.process_inputs).
+        processed = []
+        for i, (prompt, params, prio) in enumerate(zip(prompts, params_list, priorities)):
+            rid = str(next(self.request_counter))
+            try:
+                processed.append(self.llm_engine.process_inputs(rid, prompt, params, priority=prio))
+            except ValueError as e:
+                raise ValueError(f"prompt {i} of {len(prompts)}: {e}" if len(prompts) > 1 else str(e)) from None
+        # Phase 2: add them all; if anything still goes wrong (even Ctrl-C), take back what was added.
         ids: list[str] = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                rid = str(next(self.request_counter))
-                self.llm_engine.add_request(rid, prompt, params, priority=0 if priority is None else priority[i])
-                ids.append(rid)
-        except ValueError:
-            self.llm_engine.abort_request(ids)  # all or nothing: do not leave half a batch in the engine
+            for request, prompt_text in processed:
+                self.llm_engine.add_request(request.request_id, request, prompt_text=prompt_text)
+                ids.append(request.request_id)
+        except BaseException:
+            self.llm_engine.abort_request(ids)
             raise
         return ids
 
@@ -111,6 +136,12 @@ class LLM:
                         if pbar is not None:
                             pbar.update(1)
                             pbar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            # Ctrl-C in a notebook cell (KeyboardInterrupt) or an error: take this batch's unfinished requests out
+            # of the engine (the step itself already dropped what it had half done), so the next generate() starts
+            # clean instead of running these orphans.
+            self.llm_engine.abort_request([rid for rid in request_ids if rid not in finished])
+            raise
         finally:
             if pbar is not None:
                 pbar.close()

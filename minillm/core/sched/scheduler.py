@@ -137,9 +137,11 @@ class Scheduler:
             raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         requests = [self.requests[i] for i in dict.fromkeys(ids) if i in self.requests]
-        running = {id(r) for r in requests if r.status == RequestStatus.RUNNING}
-        self.running = [r for r in self.running if id(r) not in running]
-        self.waiting.remove_requests([r for r in requests if id(r) not in running])
+        # Both queues, whatever the status says: a schedule() interrupted between moving a request to ``running``
+        # and marking it RUNNING must not leave it behind in either.
+        drop = {id(r) for r in requests}
+        self.running = [r for r in self.running if id(r) not in drop]
+        self.waiting.remove_requests(requests)
         for request in requests:
             request.status = finished_status
             self._free_request(request)

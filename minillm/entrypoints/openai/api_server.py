@@ -47,9 +47,13 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from http import HTTPStatus
 from pathlib import Path
@@ -60,7 +64,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+try:
+    import uvicorn
+except ImportError:  # pragma: no cover - the server's extra is not installed; build_app still works
+    uvicorn = None
+
 from minillm.engine.async_llm import AsyncLLM, EngineDeadError
+from minillm.entrypoints.openai.middleware import (DEFAULT_MAX_REQUEST_BODY_BYTES, AuthenticationMiddleware,
+                                                   HostCheckMiddleware, RequestBodyMiddleware, is_loopback_host)
 from minillm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from minillm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minillm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -70,6 +81,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+API_KEY_ENV = "MINILLM_API_KEY"  # vLLM: VLLM_API_KEY
+# After SIGTERM/SIGINT the requests in flight are aborted at once; this only bounds connections that stay open
+# anyway (a client still sending its body).
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 3
 
 
 def default_served_model_name(model: str | None) -> str:
@@ -109,7 +124,18 @@ async def run_unless_disconnected(request: Request, coro: Awaitable[Any]) -> tup
     return False, None
 
 
-def build_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
+def api_keys_from(api_key: str | Sequence[str] | None) -> list[str]:
+    """The API keys to require: those given, else ``$MINILLM_API_KEY`` (vLLM: ``--api-key`` over
+    ``VLLM_API_KEY``), without empty ones. An empty list means no key is required."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if not keys:
+        keys = [os.environ.get(API_KEY_ENV, "")]
+    return [k for k in keys if k]
+
+
+def build_app(engine: Any, served_model_name: str | None = None, *, api_key: str | Sequence[str] | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              allowed_hosts: Sequence[str] | None = ()) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -117,6 +143,11 @@ def build_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
             stops at shutdown; the engine is usable again afterwards), or an :class:`AsyncLLM` (left running: its
             owner shuts it down).
         served_model_name: the model's name in the API (default: the model file's name).
+        api_key: a key (or several) every ``/v1`` request must send as ``Authorization: Bearer <key>``; default
+            ``$MINILLM_API_KEY``; none set: no key is asked for.
+        max_request_body_bytes: larger POST bodies get a 413 before they are read.
+        allowed_hosts: ``Host`` names accepted besides the loopback ones (a server on loopback: ``()``, which
+            stops DNS rebinding); ``None`` accepts any (a server listening on other interfaces).
     """
     engine = getattr(engine, "llm_engine", engine)  # an LLM: serve its engine
     owns_engine = not isinstance(engine, AsyncLLM)
@@ -124,18 +155,28 @@ def build_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
     if served_model_name is None:
         args = getattr(getattr(engine_client, "engine", None), "engine_args", None)
         served_model_name = default_served_model_name(getattr(args, "model", None))
-    serving_chat = OpenAIServingChat(engine_client, served_model_name)
-    serving_completion = OpenAIServingCompletion(engine_client, served_model_name)
+    tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenizer")  # shared: one tokenizer
+    serving_chat = OpenAIServingChat(engine_client, served_model_name, tokenizer_executor)
+    serving_completion = OpenAIServingCompletion(engine_client, served_model_name, tokenizer_executor)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         if owns_engine:
             engine_client.shutdown()
+        tokenizer_executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm OpenAI-compatible server", lifespan=lifespan)
     app.state.engine_client = engine_client
+    app.state.owns_engine = owns_engine
     app.state.served_model_name = served_model_name
+    # add_middleware wraps: the last added runs first. Order of the checks: Host, API key, body.
+    app.add_middleware(RequestBodyMiddleware, max_body_bytes=max_request_body_bytes)
+    keys = api_keys_from(api_key)
+    if keys:
+        app.add_middleware(AuthenticationMiddleware, api_keys=keys)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=allowed_hosts)
 
     # -------------------------------------------------------------------------------- error bodies everywhere
     @app.exception_handler(OpenAIRequestError)
@@ -198,12 +239,60 @@ def build_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
     return app
 
 
+class GracefulServer(uvicorn.Server if uvicorn is not None else object):  # type: ignore[misc]
+    """uvicorn's server, with a shutdown that does not wait for requests in flight, and an exit without re-raising.
+
+    uvicorn's own graceful shutdown waits for every open request to finish: with a long stream in flight,
+    SIGTERM left the process alive for minutes, and a second Ctrl-C force-quit it past the engine's shutdown. Here
+    shutting down (a signal, or ``should_exit``) first stops the engine (when the app owns it): every request in
+    flight ends at once, a non-streaming one with a 503 error body, a stream with an error event and
+    ``[DONE]``; then uvicorn closes the connections, and anything still open after ``timeout_graceful_shutdown``
+    seconds (a client that never finishes sending its body) is cancelled. uvicorn >= 0.29 re-raises the signal
+    after a graceful exit (SIGTERM: killed by it, exit status 143; SIGINT: a ``KeyboardInterrupt`` traceback);
+    this server returns normally instead, so ``minillm serve`` exits 0.
+    """
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        app = self.config.app
+        state = getattr(app, "state", None)
+        if state is not None and getattr(state, "owns_engine", False):
+            # Ends every request in flight now (their streams get an error event); joined off the event loop.
+            await asyncio.to_thread(state.engine_client.shutdown)
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit:
+            logger.warning("already shutting down (requests in flight were aborted); at most %s s more",
+                           self.config.timeout_graceful_shutdown)
+        self.should_exit = True
+
+
+def server_config(app: FastAPI, host: str, port: int, log_level: str) -> Any:
+    """The uvicorn configuration both ``minillm serve`` and :class:`BackgroundServer` use."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S)
+
+
 class BackgroundServer:
     """The server in a background thread of this process, for notebooks and tests: no second model load.
 
     Args:
         engine: what :func:`build_app` takes (``LLM``, ``LLMEngine`` or ``AsyncLLM``).
         port: ``0`` picks a free port (read it from :attr:`port` / :attr:`url` after :meth:`start`).
+        **app_args: :func:`build_app`'s keyword arguments (``api_key``, ``max_request_body_bytes``,
+            ``allowed_hosts``).
 
     Use::
 
@@ -216,12 +305,12 @@ class BackgroundServer:
     """
 
     def __init__(self, engine: Any, served_model_name: str | None = None, host: str = DEFAULT_HOST, port: int = 0,
-                 log_level: str = "warning") -> None:
-        import uvicorn
-
-        self.app = build_app(engine, served_model_name)
+                 log_level: str = "warning", **app_args: Any) -> None:
+        if "allowed_hosts" not in app_args and not is_loopback_host(host):
+            app_args["allowed_hosts"] = None  # listening elsewhere: any Host (set an api_key)
+        self.app = build_app(engine, served_model_name, **app_args)
         self.served_model_name: str = self.app.state.served_model_name
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level))
+        self._server = GracefulServer(server_config(self.app, host, port, log_level))
         self._thread: threading.Thread | None = None
         self.host, self.port = host, port
 
@@ -242,7 +331,8 @@ class BackgroundServer:
         return self
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Stop accepting connections, finish the open ones, stop the engine loop (uvicorn's graceful exit)."""
+        """Stop accepting connections, end the requests in flight (see :class:`GracefulServer`), stop the engine
+        loop."""
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
@@ -318,7 +408,17 @@ def engine_args_from_cli(args: argparse.Namespace) -> Any:
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                        help=f"require one of these keys as 'Authorization: Bearer <key>' on every /v1 route "
+                             f"(default: ${API_KEY_ENV} if set, else no key). Set one before --host 0.0.0.0")
+    parser.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help=f"refuse larger request bodies with a 413 before reading them (default "
+                             f"{DEFAULT_MAX_REQUEST_BODY_BYTES})")
+    parser.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                        help="Host header names accepted besides localhost/127.0.0.1/::1 (on loopback the others "
+                             "are refused, which stops DNS rebinding; listening elsewhere, any is accepted unless "
+                             "this is given)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: the model file's name)")
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -339,10 +439,49 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Load the model, start the engine loop and serve until interrupted (Ctrl-C). Returns the exit code."""
-    import uvicorn
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
 
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def create_server_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket now, before the model loads: a bad address or a busy port fails in a second, not
+    after the load (vLLM binds first too: ``create_server_socket`` in ``vllm/entrypoints/launchers/launcher.py``).
+
+    Raises:
+        OSError: the address cannot be resolved or bound (``socket.gaierror`` is one).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(infos[0][4])
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Check the arguments, bind the port, load the model, start the engine loop and serve until SIGINT (Ctrl-C)
+    or SIGTERM, which end the requests in flight and exit 0 within seconds. Returns the exit code (2: bad
+    arguments or an address that cannot be bound; 130: interrupted while loading)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -350,19 +489,40 @@ def run_server(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        sock = create_server_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    loopback = is_loopback_host(args.host)
+    api_keys = api_keys_from(args.api_key)
+    if not loopback and not api_keys:
+        logger.warning("listening on %s without an API key: anyone who can reach the port can use the model; "
+                       "set --api-key or $%s", args.host, API_KEY_ENV)
     if engine_args.resolved_attention_backend() == "triton" and engine_args.resolved_device() == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from minillm.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(engine_args)
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+    except KeyboardInterrupt:
+        print("interrupted while loading the model", file=sys.stderr)
+        sock.close()
+        return 130
+    except ValueError as e:  # checks that need the model (e.g. max_model_len above the model's)
+        print(f"error: {e}", file=sys.stderr)
+        sock.close()
+        return 2
     name = args.served_model_name or default_served_model_name(engine_args.model)
-    app = build_app(engine, name)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("listening on %s: this server has no authentication; anyone who can reach the port can "
-                       "use it", args.host)
-    print(f"minillm: serving {name!r} (max_model_len {engine.max_model_len}) on "
-          f"http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    allowed_hosts = args.allowed_hosts if args.allowed_hosts is not None else (() if loopback else None)
+    app = build_app(engine, name, api_key=api_keys, max_request_body_bytes=args.max_request_body_bytes,
+                    allowed_hosts=allowed_hosts)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    port = sock.getsockname()[1]
+    print(f"minillm: serving {name!r} (max_model_len {engine.max_model_len}) on http://{host}:{port}/v1"
+          f"{' (API key required)' if api_keys else ''}", flush=True)
+    server = GracefulServer(server_config(app, args.host, port, args.uvicorn_log_level))
+    server.run(sockets=[sock])
     return 0
 
 

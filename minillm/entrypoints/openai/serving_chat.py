@@ -25,7 +25,8 @@ from minillm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComp
                                                   random_uuid)
 from minillm.entrypoints.openai.sampling import check_top_logprobs
 from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
-                                                        reject_unsupported, sse, stream_error, usage_of)
+                                                        reject_unsupported, sse, stream_aborted, stream_error,
+                                                        usage_of)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -33,6 +34,9 @@ class OpenAIServingChat(OpenAIServing):
 
     def prompt_token_ids(self, request: ChatCompletionRequest) -> list[int]:
         """The conversation rendered with the chat template, as token ids."""
+        if self.tokenizer is None:
+            raise OpenAIRequestError("This server's model has no tokenizer, hence no chat template: use "
+                                     "/v1/completions with token ids", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
@@ -58,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIRequestError(str(e), param="top_logprobs") from e
         reject_unsupported(request, {"logprobs": False, "top_logprobs": None, "logit_bias": {}, "tools": [],
                                      "response_format": {"type": "text"}})
-        ids = self.prompt_token_ids(request)
+        ids = await self.run_in_tokenizer_thread(self.prompt_token_ids, request)
         self.check_prompt_len(len(ids), "messages")
         params = self.to_sampling_params(request, len(ids), api="chat")
         request_id = f"chatcmpl-{random_uuid()}"
@@ -100,17 +104,21 @@ class OpenAIServingChat(OpenAIServing):
             return sse(json.dumps(body))
 
         num_tokens = 0
+        finished = False
         try:
             yield chunk(DeltaMessage(role="assistant", content=""))
             async for out in self.engine_client.stream_outputs(collector):
                 o = out.outputs[0]
                 num_tokens = len(o.token_ids)
+                finished = out.finished
                 if out.finished:
                     delta = DeltaMessage(content=o.delta_text) if o.delta_text else DeltaMessage()
                     yield chunk(delta, o.finish_reason, o.stop_reason)
                 elif o.delta_text:
                     yield chunk(DeltaMessage(content=o.delta_text))
-            if include_usage:
+            if not finished:
+                yield stream_aborted()
+            elif include_usage:
                 yield sse(ChatCompletionStreamResponse(id=collector.request_id, created=created,
                                                        model=self.served_model_name, choices=[],
                                                        usage=usage_of(prompt_len, num_tokens)).model_dump_json())

@@ -17,7 +17,8 @@ from minillm.entrypoints.openai.protocol import (CompletionRequest, CompletionRe
                                                   CompletionResponseStreamChoice, CompletionStreamResponse,
                                                   random_uuid)
 from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
-                                                        reject_unsupported, sse, stream_error, usage_of)
+                                                        reject_unsupported, sse, stream_aborted, stream_error,
+                                                        usage_of)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -32,6 +33,9 @@ class OpenAIServingCompletion(OpenAIServing):
                                          param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise OpenAIRequestError("This server's model has no tokenizer: send the prompt as token ids",
+                                         param="prompt")
             # Tokenized as LLMEngine.add_request would (special tokens such as a BOS added if the tokenizer does),
             # here so that the length can be checked and max_tokens resolved before the engine sees it.
             return list(self.tokenizer.encode(prompt))
@@ -46,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request)
         reject_unsupported(request, {"echo": False, "best_of": 1, "suffix": "", "logit_bias": {},
                                      "logprobs": None})
-        ids = self.prompt_token_ids(request)
+        ids = await self.run_in_tokenizer_thread(self.prompt_token_ids, request)
         self.check_prompt_len(len(ids), "prompt")
         params = self.to_sampling_params(request, len(ids), api="completion")
         request_id = f"cmpl-{random_uuid()}"
@@ -78,10 +82,12 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         created = int(time.time())
         num_tokens = 0
+        finished = False
         try:
             async for out in self.engine_client.stream_outputs(collector):
                 o = out.outputs[0]
                 num_tokens = len(o.token_ids)
+                finished = out.finished
                 if not o.delta_text and not out.finished:
                     continue  # e.g. a token that ends mid-character, or a held-back partial stop string
                 chunk = CompletionStreamResponse(
@@ -90,7 +96,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         index=0, text=o.delta_text, finish_reason=o.finish_reason if out.finished else None,
                         stop_reason=o.stop_reason if out.finished else None)])
                 yield sse(chunk.model_dump_json())
-            if include_usage:
+            if not finished:
+                yield stream_aborted()
+            elif include_usage:
                 chunk = CompletionStreamResponse(id=collector.request_id, created=created,
                                                  model=self.served_model_name, choices=[],
                                                  usage=usage_of(prompt_len, num_tokens))

@@ -19,9 +19,12 @@ vLLM counterpart: ``vllm/entrypoints/openai/serving_engine.py`` (``OpenAIServing
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -35,6 +38,7 @@ from minillm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=OpenAIBaseModel)
+R = TypeVar("R")
 
 # SamplingParams' messages start with the field's name ("top_p must be in (0, 1], got 1.5"): that is the param.
 _KNOWN_PARAMS = {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens",
@@ -88,8 +92,17 @@ def parse_request(model_cls: type[T], raw: bytes) -> T:
         raise OpenAIRequestError(f"Invalid {'type' if is_type else 'value'} for '{path}': {err['msg'].lower()}, "
                                  f"got {shown}", param=param, code="invalid_type" if is_type else "invalid_value")
     if request.model_extra:
-        logger.warning("ignoring unknown request fields: %s", sorted(request.model_extra))
+        logger.warning("ignoring unknown request fields: %s", summarize_names(request.model_extra))
     return request
+
+
+def summarize_names(names: Any, max_names: int = 10, max_chars: int = 40) -> str:
+    """A log-sized list of names: the first ``max_names`` (each cut to ``max_chars``) and how many more. A client
+    can send 100k unknown fields; the log line must not grow with them."""
+    names = sorted(names)
+    shown = [n if len(n) <= max_chars else n[:max_chars] + "..." for n in names[:max_names]]
+    more = f" and {len(names) - max_names} more" if len(names) > max_names else ""
+    return f"{shown}{more}"
 
 
 def param_of(message: str) -> str | None:
@@ -136,11 +149,24 @@ class OpenAIServing:
         served_model_name: the ``id`` in ``/v1/models`` and the ``model`` of every response.
     """
 
-    def __init__(self, engine_client: Any, served_model_name: str) -> None:
+    def __init__(self, engine_client: Any, served_model_name: str,
+                 tokenizer_executor: ThreadPoolExecutor | None = None) -> None:
         self.engine_client = engine_client
         self.served_model_name = served_model_name
         self.tokenizer = engine_client.tokenizer
         self.max_model_len: int = engine_client.max_model_len
+        # One thread: a tokenizer is not safe to share between threads, and one request's tokens are made at a
+        # time anyway (as in vLLM's OpenAIServing._tokenizer_executor).
+        self.tokenizer_executor = tokenizer_executor or ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenizer")
+
+    async def run_in_tokenizer_thread(self, fn: Callable[..., R], *args: Any) -> R:
+        """Run ``fn(*args)`` (tokenization, chat-template rendering) off the event loop.
+
+        A long prompt takes seconds to tokenize (the Rust tokenizer and the Jinja template hold the GIL only part
+        of that time); on the event loop it would freeze every other client, ``/health`` and the running streams
+        included.
+        """
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_executor, fn, *args)
 
     @staticmethod
     def create_error_response(err: OpenAIRequestError) -> JSONResponse:
@@ -197,6 +223,13 @@ def usage_of(prompt_len: int, completion_len: int) -> UsageInfo:
     """OpenAI's ``usage`` counts for one answer."""
     return UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_len,
                      total_tokens=prompt_len + completion_len)
+
+
+def stream_aborted() -> str:
+    """The SSE event that ends a stream whose request was aborted by the server (it is shutting down): the client
+    sees an error, not a silently shorter answer. (A client that hung up itself reads nothing more.)"""
+    return sse(json.dumps(error_body("The request was aborted before it finished: the server is shutting down",
+                                     "server_error", code="request_aborted")))
 
 
 def stream_error(e: Exception) -> str:

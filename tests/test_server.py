@@ -9,9 +9,11 @@ seen on ``GET /debug/kv_cache``), the 400 cases with OpenAI's error body, and th
 inside an engine step (a huge seed, top_k or top_logprobs) are refused or handled without stopping the engine loop.
 """
 import asyncio
+import contextlib
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -435,3 +437,160 @@ def test_the_serve_subcommand_parses_engine_arguments():
     assert engine_args == EngineArgs(max_model_len=256, enable_prefix_caching=False, block_size=8)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--max-model-len", "lots"])
+
+
+# ------------------------------------------------------------------------------------------- hostile clients
+def test_a_10mb_body_gets_a_413_while_health_answers(server):
+    """Refused from its Content-Length before a byte of it is read or tokenized (it used to freeze every client for
+    48 s); /health answers within 1 s all along."""
+    from tests.test_serving_safely import HealthProbe
+
+    big = json.dumps({"model": server.model, "prompt": "The capital of France is " * (10 * 1024 * 1024 // 25),
+                      "max_tokens": 1}).encode()
+    with HealthProbe(server.url) as probe:
+        time.sleep(0.2)
+        t = time.perf_counter()
+        r = server.http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        took = time.perf_counter() - t
+        time.sleep(0.2)
+    print(f"\n10 MB body: {r.status_code} after {took * 1000:.0f} ms; /health max "
+          f"{max(probe.latencies) * 1000:.0f} ms over {len(probe.latencies)} probes")
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:500]
+    assert max(probe.latencies) < 1.0 and took < 5
+
+
+SOAK_SECONDS = float(os.environ.get("MINILLM_SOAK_SECONDS", "20"))
+
+
+def test_soak_random_clients_leave_the_server_clean(server):
+    """For SOAK_SECONDS, 8 concurrent clients send a random mix: good requests (streamed or not, completions and
+    chat, each checked against its greedy answer), bad ones (400/404/405/413/415), streams dropped after a chunk or
+    two, requests cut by a client timeout, connections reset mid-request, bodies never finished. Then the engine
+    holds no request and no block, and still answers correctly."""
+    import random
+
+    countries = COUNTRIES[:6]
+    chat_q = [{"role": "user", "content": QUESTION}]
+    http = server.http
+    expected = {c: http.post("/v1/completions", json={"prompt": f"The capital of {c} is", "max_tokens": 5,
+                                                      "temperature": 0}).json()["choices"][0]["text"]
+                for c in countries}
+    expected_chat = http.post("/v1/chat/completions", json={"messages": chat_q, "max_tokens": 8, "temperature": 0}
+                              ).json()["choices"][0]["message"]["content"]
+    before = wait_idle(server)
+    port = int(server.url.rsplit(":", 1)[1])
+    oversized = json.dumps({"prompt": "x" * (2 * 1024 * 1024)}).encode()
+    bad_cases = [  # (method, path, content, content-type, expected status)
+        ("POST", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2,', "application/json", 400),
+        ("POST", "/v1/completions", json.dumps({"prompt": "Hi", "temperature": "hot"}).encode(), "application/json",
+         400),
+        ("POST", "/v1/completions", json.dumps({"prompt": [999999]}).encode(), "application/json", 400),
+        ("POST", "/v1/chat/completions", json.dumps({"messages": [], "n": 2}).encode(), "application/json", 400),
+        ("POST", "/v1/completions", json.dumps({"prompt": "Hi", "model": "gpt-4"}).encode(), "application/json", 404),
+        ("POST", "/v1/completions", json.dumps({"prompt": "Hi"}).encode(), "text/plain", 415),
+        ("GET", "/v1/completions", b"", None, 405),
+        ("POST", "/v1/nothing", b"{}", "application/json", 404),
+        ("POST", "/v1/completions", oversized, "application/json", 413),
+    ]
+    counts: dict[str, int] = {}
+    problems: list[str] = []
+
+    def count(key: str) -> None:
+        counts[key] = counts.get(key, 0) + 1
+
+    def long_body(stream: bool) -> dict:
+        return {"prompt": "Count to one hundred: one, two,", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                "stream": stream}
+
+    async def raw(request: bytes, read_bytes: int, rst: bool, pause: float) -> None:
+        """Send raw bytes, maybe read a little, then close (with an RST when ``rst``)."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        await writer.drain()
+        if read_bytes:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(reader.read(read_bytes), 5)
+        await asyncio.sleep(pause)
+        if rst:
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()
+
+    async def one(client: httpx.AsyncClient, rng: random.Random) -> None:
+        kind = rng.choice(["good", "good_stream", "chat", "bad", "bad", "drop_stream", "client_timeout", "reset",
+                           "unfinished_body"])
+        if kind in ("good", "good_stream"):
+            c = rng.choice(countries)
+            body = {"prompt": f"The capital of {c} is", "max_tokens": 5, "temperature": 0}
+            if kind == "good":
+                r = await client.post("/v1/completions", json=body)
+                text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+            else:
+                text = ""
+                async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    lines = [line async for line in r.aiter_lines() if line]
+                if lines[-1] != "data: [DONE]":
+                    problems.append(f"stream without [DONE]: {lines[-2:]}")
+                for line in lines[:-1]:
+                    text += "".join(ch["text"] for ch in json.loads(line[6:])["choices"])
+            if r.status_code != 200 or text != expected[c]:
+                problems.append(f"{kind} {c}: {r.status_code} {text!r} != {expected[c]!r}")
+        elif kind == "chat":
+            r = await client.post("/v1/chat/completions", json={"messages": chat_q, "max_tokens": 8, "temperature": 0})
+            if r.status_code != 200 or r.json()["choices"][0]["message"]["content"] != expected_chat:
+                problems.append(f"chat: {r.status_code} {r.text[:200]}")
+        elif kind == "bad":
+            method, path, content, ctype, status = rng.choice(bad_cases)
+            r = await client.request(method, path, content=content, headers={"content-type": ctype} if ctype else {})
+            kind = f"bad_{status}"
+            if r.status_code != status or "error" not in r.json():
+                problems.append(f"bad {path}: {r.status_code} (wanted {status}) {r.text[:200]}")
+        elif kind == "drop_stream":
+            async with client.stream("POST", "/v1/completions", json=long_body(True)) as r:
+                n = 0
+                async for line in r.aiter_lines():
+                    n += line.startswith("data: {")
+                    if n >= rng.randint(1, 3):
+                        break  # leaving the block closes the connection mid-stream
+        elif kind == "client_timeout":
+            with contextlib.suppress(httpx.TimeoutException):
+                await client.post("/v1/completions", json=long_body(rng.random() < 0.5),
+                                  timeout=httpx.Timeout(10, read=rng.uniform(0.05, 0.6)))
+        elif kind == "reset":
+            body = json.dumps(long_body(rng.random() < 0.5)).encode()
+            head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n").encode()
+            await raw(head + body, read_bytes=rng.choice([0, 200]), rst=True, pause=rng.uniform(0, 0.3))
+        else:  # unfinished_body: promises 400 bytes, sends 20, goes away
+            head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: 400\r\n\r\n").encode()
+            await raw(head + b'{"prompt": "Hello", ', read_bytes=0, rst=rng.random() < 0.5, pause=rng.uniform(0, 0.3))
+        count(kind)
+
+    async def worker(i: int, deadline: float) -> None:
+        rng = random.Random(i)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            while time.monotonic() < deadline:
+                try:
+                    await one(client, rng)
+                except Exception as e:  # noqa: BLE001 - any surprise is a finding, reported with the rest
+                    problems.append(f"worker {i}: {type(e).__name__}: {e}")
+
+    async def main() -> None:
+        deadline = time.monotonic() + SOAK_SECONDS
+        await asyncio.gather(*(worker(i, deadline) for i in range(8)))
+
+    asyncio.run(main())
+    after = wait_idle(server)
+    leaked = after["num_blocks"] - 1 - after["num_free_blocks"]
+    print(f"\nsoak {SOAK_SECONDS:.0f} s: {sum(counts.values())} requests {dict(sorted(counts.items()))}; engine: "
+          f"{after['num_requests_total'] - before['num_requests_total']} admitted, "
+          f"{after['num_finished'] - before['num_finished']} finished, "
+          f"{after['num_aborted'] - before['num_aborted']} aborted; unfinished {after['num_unfinished_requests']}, "
+          f"blocks leaked {leaked}; problems {len(problems)}")
+    assert not problems, problems[:10]
+    assert after["num_unfinished_requests"] == 0 and leaked == 0, after
+    assert after["num_aborted"] > before["num_aborted"]  # the dropped, timed-out and reset requests were aborted
+    assert http.get("/health").status_code == 200
+    final = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 5,
+                                               "temperature": 0}).json()["choices"][0]["text"]
+    assert final == expected["France"]

@@ -207,11 +207,12 @@ class OpenAIServing:
             raise OpenAIRequestError(str(e), param=param_of(str(e)) or param) from e
 
     async def final_output(self, collector: Any) -> Any:
-        """Drain the request's outputs and return the last one; ``None`` if it ended without one (aborted)."""
+        """Drain the request's outputs and return the final one; ``None`` if the request ended without it (aborted,
+        e.g. by a server shutting down: then the last partial output is no answer either)."""
         final = None
         async for out in self.engine_client.stream_outputs(collector):
             final = out
-        return final
+        return final if final is not None and final.finished else None
 
 
 def sse(data: str) -> str:

@@ -22,10 +22,16 @@ request aborted (streaming: Starlette cancels the response generator; non-stream
 
 Errors are OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, with status 400 for a bad
 request (malformed JSON, wrong types, out-of-range values, ``n != 1``, a prompt too long, an output limit larger
-than the room the prompt leaves), 404 for an unknown model or route, 500 if the engine failed. See
-:mod:`minillm.entrypoints.openai.serving_engine`.
+than the room the prompt leaves), 401 without the API key (when one is set), 404 for an unknown model or route, 413
+for a body over ``--max-request-body-bytes`` (1 MiB), 415 for a body not sent as ``application/json``, 503 once the
+engine has stopped, 500 if the engine failed. See :mod:`minillm.entrypoints.openai.serving_engine` and
+:mod:`minillm.entrypoints.openai.middleware`.
 
-It listens on 127.0.0.1 by default: it has no authentication, so exposing it (``--host 0.0.0.0``) is a choice.
+Safety (README, "Serving safely"): it listens on 127.0.0.1 by default and then answers only requests whose ``Host``
+is loopback (DNS rebinding); POST bodies must be JSON (no cross-origin "simple" POST from a web page); ``--api-key``
+(or ``$MINILLM_API_KEY``) requires ``Authorization: Bearer <key>`` on ``/v1``; tokenization runs in a worker
+thread, so a long prompt does not freeze the other clients; SIGTERM or Ctrl-C aborts the requests in flight and
+exits 0 within seconds (:class:`GracefulServer`); the port and address are checked before the model loads.
 
 Run it with ``python -m minillm serve [--port 8000] [engine args]`` (or ``python -m
 minillm.entrypoints.openai.api_server``), then::
@@ -36,7 +42,7 @@ minillm.entrypoints.openai.api_server``), then::
                                    messages=[{"role": "user", "content": "What is the capital of France?"}])
 
 vLLM counterpart: ``vllm/entrypoints/openai/api_server.py`` (``build_app``, ``run_server``, the route functions of
-the same names) and ``vllm/entrypoints/cli/serve.py``; vLLM adds API keys, CORS, tool calling, logprobs, ``n > 1``,
+the same names) and ``vllm/entrypoints/cli/serve.py``; vLLM adds CORS, tool calling, logprobs, ``n > 1``,
 embeddings and many more routes, and ``/metrics`` for Prometheus.
 """
 from __future__ import annotations

@@ -164,3 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad values that only the engine can check (e.g. a prompt too long)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the engine already dropped what it was running; no traceback for it
+        print("\ninterrupted", file=sys.stderr)
+        return 130

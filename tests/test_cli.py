@@ -18,3 +18,14 @@ def test_bad_arguments_are_refused():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "must be a positive integer, got 0" in out.stderr
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    import minillm.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_generate", interrupted)
+    assert cli.main(["generate", "hi"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"

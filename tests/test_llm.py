@@ -129,7 +129,8 @@ INTERRUPT_POINTS = [("scheduler", "schedule", 1), ("model_runner", "execute_mode
                     ("output_processor", "process_outputs", 3)]
 
 
-@pytest.mark.parametrize("component,method,nth", INTERRUPT_POINTS, ids=[f"{c}.{m}#{n}" for c, m, n in INTERRUPT_POINTS])
+@pytest.mark.parametrize("component,method,nth", INTERRUPT_POINTS,
+                         ids=[f"{c}.{m}#{n}" for c, m, n in INTERRUPT_POINTS])
 def test_an_interrupted_generate_leaves_the_engine_usable(tiny_llms, monkeypatch, component, method, nth):
     """Ctrl-C during generate(): nothing stays in the engine, and the next generate() of the same prompts gives the
     right tokens (no orphan runs with it, and no prefix-cache block whose K/V was never written is reused)."""

@@ -535,7 +535,8 @@ def test_soak_random_clients_leave_the_server_clean(server):
             if r.status_code != 200 or text != expected[c]:
                 problems.append(f"{kind} {c}: {r.status_code} {text!r} != {expected[c]!r}")
         elif kind == "chat":
-            r = await client.post("/v1/chat/completions", json={"messages": chat_q, "max_tokens": 8, "temperature": 0})
+            r = await client.post("/v1/chat/completions",
+                                  json={"messages": chat_q, "max_tokens": 8, "temperature": 0})
             if r.status_code != 200 or r.json()["choices"][0]["message"]["content"] != expected_chat:
                 problems.append(f"chat: {r.status_code} {r.text[:200]}")
         elif kind == "bad":

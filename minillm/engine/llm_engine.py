@@ -290,7 +290,8 @@ class LLMEngine:
             return self._run_scheduled_step(scheduler_output)
         except BaseException:
             # Ctrl-C (KeyboardInterrupt) or an error part-way through a step leaves the scheduler, the runner and
-            # the KV cache out of step with each other; drop the requests the step touched so the engine stays usable.
+            # the KV cache out of step with each other; drop the requests the step touched, so the engine stays
+            # usable.
             self._abandon_step(scheduler_output)
             raise
 

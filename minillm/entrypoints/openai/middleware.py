@@ -192,8 +192,8 @@ class RequestBodyMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:  # chunked (no Content-Length), or more than it said
-                await send_error(send, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self._too_large(f"more than {self.max_body_bytes}"),
-                                 code="request_too_large")
+                await send_error(send, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                 self._too_large(f"more than {self.max_body_bytes}"), code="request_too_large")
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

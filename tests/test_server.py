@@ -459,7 +459,7 @@ def test_a_10mb_body_gets_a_413_while_health_answers(server):
     assert max(probe.latencies) < 1.0 and took < 5
 
 
-SOAK_SECONDS = float(os.environ.get("MINILLM_SOAK_SECONDS", "20"))
+SOAK_SECONDS = float(os.environ.get("MINILLM_SOAK_SECONDS", "15"))
 
 
 def test_soak_random_clients_leave_the_server_clean(server):

@@ -16,6 +16,7 @@ engine core in another process (``EngineCoreClient``) so detokenization overlaps
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ from minillm.model.llama import LlamaForCausalLM
 from minillm.request import Request, RequestStatus
 from minillm.sampling_params import SamplingParams
 from minillm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int]
 
@@ -292,7 +295,10 @@ class LLMEngine:
             # Ctrl-C (KeyboardInterrupt) or an error part-way through a step leaves the scheduler, the runner and
             # the KV cache out of step with each other; drop the requests the step touched, so the engine stays
             # usable.
-            self._abandon_step(scheduler_output)
+            try:
+                self._abandon_step(scheduler_output)
+            except Exception:  # noqa: BLE001 - never hide the original error behind one from the clean-up
+                logger.exception("cleaning up after a failed step failed too")
             raise
 
     def _abandon_step(self, scheduler_output: Any) -> None:

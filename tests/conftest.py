@@ -60,3 +60,12 @@ def hf_oracle():
 
     path = minillm.default_model_path()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item (``item.rep_call``), so a fixture's teardown can tell whether the
+    test failed (tests/test_browser.py saves a screenshot then)."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)

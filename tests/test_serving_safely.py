@@ -242,17 +242,35 @@ def test_stopping_the_server_ends_requests_in_flight():
 # ------------------------------------------------------------------------------------ the real command line
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    """A random Llama saved as a Hugging Face directory (no tokenizer: prompts are token ids). Slow enough per
+    """A random Llama saved as a Hugging Face directory (config.json + safetensors, written directly: importing
+    transformers' model classes would cost seconds), without a tokenizer: prompts are token ids. Slow enough per
     token (4096 positions, 4 layers) that a long request is still running when the test signals the server."""
     import torch
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM as HFLlama
+    from safetensors.torch import save_file
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = HFLlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    HFLlama(cfg).save_pretrained(path)
+    hidden, inter, layers, heads, kv_heads, vocab = 128, 256, 4, 4, 2, 256
+    head_dim = hidden // heads
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+              "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    (path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                       p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                       p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter),
+                       p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)})
+    tensors = {name: torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.05
+               for name, shape in shapes.items()}
+    save_file(tensors, str(path / "model.safetensors"))
     return path
 
 

@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab test test-portable exercises clean
+.PHONY: setup lab test test-portable test-browser exercises clean
 
 # Re-running is fast: the stamp is newer than the files that decide what is installed.
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -47,6 +47,10 @@ test-portable: setup
 	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
 		$(PY) -m pytest -n 2 --dist loadfile notebooks solutions $(NBVAL)
 	OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 $(PY) -m pytest -p no:xdist notebooks solutions $(NBVAL)
+
+# Every lesson run top to bottom in JupyterLab in Chromium (Run All), as after `make lab`; plus the widget clicks.
+test-browser: setup
+	MINILLM_BROWSER_ALL=1 $(PY) -m pytest -p no:xdist tests/test_browser.py
 
 exercises: setup
 	$(PY) -m minillm.exercises build

@@ -19,6 +19,7 @@ import base64
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -103,8 +104,16 @@ def browser(lab):
         b.close()
 
 
+def _shutdown_kernels(lab) -> None:
+    """Stop every kernel the server runs (each lesson loads the model: they must not pile up)."""
+    base, token = lab
+    for k in json.loads(urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10).read()):
+        req = urllib.request.Request(f"{base}/api/kernels/{k['id']}?token={token}", method="DELETE")
+        urllib.request.urlopen(req, timeout=30)
+
+
 @pytest.fixture
-def page(browser, tmp_path, request):
+def page(browser, lab, tmp_path, request):
     pg = browser.new_page(viewport={"width": 1400, "height": 1000})
     yield pg
     call = getattr(request.node, "rep_call", None)  # set by tests/conftest.py's pytest_runtest_makereport
@@ -112,6 +121,7 @@ def page(browser, tmp_path, request):
         pg.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
         print(f"screenshot of the page: {tmp_path / 'failure.png'}")
     pg.close()
+    _shutdown_kernels(lab)
 
 
 def _open(page, lab, path: str):
@@ -152,19 +162,6 @@ def _rgb(png: bytes) -> np.ndarray:
     from PIL import Image
 
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
-
-
-def _twin(notebook: str, needle: str, var: str):
-    """The widget object of ``notebook``'s widget cell, built in this process by running that cell's code."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    nb = nbformat.read(ROOT / "notebooks" / notebook, as_version=4)
-    src = next(c.source for c in nb.cells if c.cell_type == "code" and needle in c.source)
-    ns: dict = {}
-    exec("from minillm.config import SchedulerConfig\nfrom minillm.widgets import *\n"  # noqa: S102
-         + src.replace(needle, ""), ns)
-    return ns[var]
 
 
 def _find(root, kind: str, description: str | None = None):
@@ -214,12 +211,27 @@ def _click(cell, twin_ui, name: str) -> None:
     _find(twin_ui, "Button", name).click()
 
 
-def test_scheduler_stepper_in_jupyterlab(page, lab, tmp_path):
-    _open(page, lab, "notebooks/04_scheduler.ipynb")
-    cell = _run_to(page, "stepper.ui()")
-    twin = _twin("04_scheduler.ipynb", "stepper.ui()", "stepper")
+def _widget_in_lab(page, lab, notebook: str, needle: str, var: str, tmp_path: Path):
+    """Open ``notebook`` in the page and run it up to its widget cell (the one containing ``needle``); build the same
+    widget in this process by running that cell's code (``var`` names the widget object). Returns
+    ``(cell, twin, twin_ui, checker)``."""
+    import matplotlib
+
+    _open(page, lab, f"notebooks/{notebook}")
+    cell = _run_to(page, needle)
+    matplotlib.use("Agg")
+    nb = nbformat.read(ROOT / "notebooks" / notebook, as_version=4)
+    src = next(c.source for c in nb.cells if c.cell_type == "code" and needle in c.source)
+    ns: dict = {}
+    exec("from minillm.config import SchedulerConfig\nfrom minillm.widgets import *\n"  # noqa: S102
+         + src.replace(needle, ""), ns)
+    twin = ns[var]
     twin_ui = twin.ui()
-    chk = _Checker(cell, twin_ui, tmp_path)
+    return cell, twin, twin_ui, _Checker(cell, twin_ui, tmp_path)
+
+
+def test_scheduler_stepper_in_jupyterlab(page, lab, tmp_path):
+    cell, twin, twin_ui, chk = _widget_in_lab(page, lab, "04_scheduler.ipynb", "stepper.ui()", "stepper", tmp_path)
     for i in range(CLICKS):
         if i == 3:  # a request arrives mid-run: the status line says so; the figure (steps so far) stays the same
             _click(cell, twin_ui, "add request")
@@ -232,11 +244,8 @@ def test_scheduler_stepper_in_jupyterlab(page, lab, tmp_path):
 
 
 def test_block_table_widget_in_jupyterlab(page, lab, tmp_path):
-    _open(page, lab, "notebooks/02_paged_kv_cache.ipynb")
-    cell = _run_to(page, "widget.ui()")
-    twin = _twin("02_paged_kv_cache.ipynb", "widget.ui()", "widget")
-    twin_ui = twin.ui()
-    chk = _Checker(cell, twin_ui, tmp_path)
+    cell, twin, twin_ui, chk = _widget_in_lab(page, lab, "02_paged_kv_cache.ipynb", "widget.ui()", "widget",
+                                              tmp_path)
     prompt_box, req_box = cell.locator("select").nth(0), cell.locator("select").nth(1)
 
     def choose(box, description: str, label: str) -> None:
@@ -267,3 +276,27 @@ def test_exercise_stub_shows_its_message(page, lab):
     err = page.locator(".jp-OutputArea-output", has_text="NotImplementedError").first
     err.wait_for(timeout=CELL_TIMEOUT_MS)
     assert "Exercise 0.1" in err.inner_text()
+
+
+RUN_ALL = os.environ.get("MINILLM_BROWSER_ALL") == "1"
+LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.skipif(not RUN_ALL, reason="every lesson in the browser takes ~10 min: make test-browser runs it")
+@pytest.mark.parametrize("name", LESSONS)
+def test_run_all_in_jupyterlab(page, lab, name):
+    """Run All, as a learner does after `make lab`: every code cell gets an execution count and none shows an
+    error."""
+    _open(page, lab, f"notebooks/{name}")
+    _menu(page, "Run", "Run All Cells")
+    # [prompt text, source] of every code cell; an empty cell never gets an execution count.
+    state = """() => [...document.querySelectorAll('.jp-CodeCell')].map(c => [
+        c.querySelector('.jp-InputPrompt').textContent.trim(), c.querySelector('.jp-InputArea-editor').textContent])"""
+    page.wait_for_function(
+        f"""() => ({state})().every(([p, src]) => /^\\[\\d+\\]:$/.test(p) || !src.trim())
+                 || [...document.querySelectorAll('.jp-OutputArea-output')].some(o => o.textContent.includes('Traceback'))""",
+        timeout=600_000, polling=1000)
+    errors = page.locator(".jp-OutputArea-output", has_text="Traceback")
+    assert errors.count() == 0, f"{name}: {errors.first.inner_text()[:2000]}"
+    not_run = [i for i, (p, src) in enumerate(page.evaluate(state)) if src.strip() and not re.fullmatch(r"\[\d+\]:", p)]
+    assert not not_run, f"{name}: code cells {not_run} did not run"

@@ -43,6 +43,10 @@ def test_make_lab_serves_the_notebooks():
         assert {"notebooks", "exercises", "solutions"} <= listing(""), "a learner must reach the exercises too"
         assert "00_welcome.ipynb" in listing("notebooks")
         assert "00_warmup.ipynb" in listing("exercises")
+        # jupyter/overrides.json, installed by make lab: widget comms on the kernel's main thread (see the Makefile)
+        url = f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:kernels-settings?token={token}"
+        kernels = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert kernels["composite"]["commsOverSubshells"] == "disabled"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -7,6 +7,9 @@ non-streamed answer, and batched together), ``max_completion_tokens`` vs ``max_t
 limit is refused with a 400, as vLLM does), usage counts, clients that hang up (request aborted, every KV block back,
 seen on ``GET /debug/kv_cache``), the 400 cases with OpenAI's error body, and that values which used to fail only
 inside an engine step (a huge seed, top_k or top_logprobs) are refused or handled without stopping the engine loop.
+Last, hostile clients (issue 15): a 10 MB body is refused with a 413 while /health keeps answering, and a soak test
+mixes good, bad, dropped, cancelled and reset requests for MINILLM_SOAK_SECONDS (15) and then finds nothing left in
+the engine (more in ``test_serving_safely.py``).
 """
 import asyncio
 import contextlib

@@ -138,3 +138,33 @@ def test_triton_backend_equals_transformers(smollm, prompts, reference):
     outputs, _, _ = serve(*smollm, [prompts[i]], None, max_tokens=2, attention_backend="triton", max_model_len=64,
                           num_gpu_blocks=8)
     check_all(outputs, reference, [i], "triton backend")
+
+
+@pytest.mark.slow  # 6 s: 24 tokens through transformers and through the engine
+def test_min_tokens_with_ignore_eos_equals_transformers_min_new_tokens(smollm, hf_oracle):
+    """``min_tokens=24, ignore_eos=True`` never samples EOS in the first 24 tokens, as transformers'
+    ``generate(min_new_tokens=24)`` does not: vLLM v0.33.0 adds EOS to ``_all_stop_token_ids`` whatever
+    ``ignore_eos`` is (``vllm/sampling_params.py:SamplingParams.update_from_generation_config``) and blocks that set
+    under ``min_tokens``. The prompt is one whose greedy answer ends with EOS after 3 tokens ("Yes." then EOS), so
+    a sampler that left EOS unblocked (minillm before issue 14) samples EOS there and diverges."""
+    model, tokenizer = smollm
+    n = 24
+    prompt = minillm.chat_prompt_ids(tokenizer, [{"role": "user", "content": "Reply with one word: yes or no?"}])
+    eos = tokenizer.eos_token_id
+    with torch.inference_mode():
+        out = hf_oracle.generate(torch.tensor([prompt]), min_new_tokens=n, max_new_tokens=n, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    ref, raw = out.sequences[0, len(prompt):].tolist(), [lg[0] for lg in out.logits]
+    assert eos not in ref and len(ref) == n
+    # The test can fail: unmasked, EOS is the argmax somewhere in the first n tokens.
+    assert any(int(lg.argmax()) == eos for lg in raw), "the prompt no longer reaches EOS: pick another"
+    engine = LLMEngine(model, tokenizer, EngineArgs(max_model_len=128, num_gpu_blocks=16))
+    engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True))
+    tokens = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                tokens = o.outputs[0].token_ids
+    # raw logits are transformers' before its min-new-tokens mask, so at EOS positions the tie check looks at EOS
+    # against the runner-up; an exact match never reaches that check.
+    check_greedy_match(tokens, ref, raw, what="min_tokens with ignore_eos")

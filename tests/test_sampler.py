@@ -113,7 +113,19 @@ def test_metadata_min_tokens_blocks_eos_until_reached():
     params = [SamplingParams(min_tokens=2, stop_token_ids=[7]), SamplingParams(min_tokens=2),
               SamplingParams(min_tokens=2, ignore_eos=True), SamplingParams(min_tokens=1)]
     md = SamplingMetadata.from_params(params, output_token_ids=[[], [1], [], [1]], eos_token_id=2)
-    assert md.min_tokens == {0: (2, {2, 7}), 1: (2, {2})}  # row 2 ignores EOS and has no stop ids; row 3 is done
+    # Row 2 sets ignore_eos and EOS is still blocked (vLLM v0.33.0 adds EOS to _all_stop_token_ids whatever
+    # ignore_eos is: vllm/sampling_params.py:SamplingParams.update_from_generation_config); row 3 is done.
+    assert md.min_tokens == {0: (2, {2, 7}), 1: (2, {2}), 2: (2, {2})}
+
+
+def test_min_tokens_blocks_eos_even_with_ignore_eos():
+    """ignore_eos says EOS does not stop the request; under min_tokens EOS must not even be sampled. A greedy row
+    whose argmax is EOS takes the next token until min_tokens is reached, then may take EOS again."""
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]] * 2)  # EOS (id 2) is the argmax of both rows
+    p = SamplingParams.greedy(max_tokens=4, min_tokens=2, ignore_eos=True)
+    md = SamplingMetadata.from_params([p, p], output_token_ids=[[1], [1, 3]], eos_token_id=2)
+    # Row 0 has 1 token < min_tokens: EOS masked, so token 3. Row 1 has reached min_tokens: EOS allowed.
+    assert Sampler()(logits, md).sampled_token_ids[:, 0].tolist() == [3, 2]
 
 
 # ---------------------------------------------------------------- the whole sampler

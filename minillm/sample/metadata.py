@@ -77,8 +77,13 @@ class SamplingMetadata:
         Args:
             params: one per request, in batch order.
             prompt_token_ids / output_token_ids: per row; default empty (needed for penalties and ``min_tokens``).
-            eos_token_id: blocked, with each row's ``stop_token_ids``, while a row is under ``min_tokens``
-                (unless it sets ``ignore_eos``).
+            eos_token_id: blocked, with each row's ``stop_token_ids``, while a row is under ``min_tokens``, even
+                when the row sets ``ignore_eos``: vLLM v0.33.0 adds the EOS id to ``_all_stop_token_ids`` whatever
+                ``ignore_eos`` is (``vllm/sampling_params.py:SamplingParams.update_from_generation_config``), and
+                its min-tokens processor blocks that whole set
+                (``vllm/v1/sample/logits_processor/builtin.py:MinTokensLogitsProcessor.add_request``). So
+                ``min_tokens=n, ignore_eos=True`` never samples EOS in its first ``n`` tokens, as transformers'
+                ``generate(min_new_tokens=n)`` does not.
             generators: row -> generator for seeded rows. Pass the same generator objects every step (the engine
                 keeps one per request). When ``None``, fresh generators are made from the seeds, which is right
                 for a single step only.
@@ -107,7 +112,9 @@ class SamplingMetadata:
         for i, p in enumerate(params):
             if len(outputs[i]) < p.min_tokens:
                 block = set(p.all_stop_token_ids)
-                if eos_token_id is not None and not p.ignore_eos:
+                # Blocked whatever ignore_eos is: ignore_eos only says EOS does not *stop* the request
+                # (check_stop); under min_tokens EOS must not even be *sampled*, as in vLLM.
+                if eos_token_id is not None:
                     block.add(eos_token_id)
                 if block:
                     min_tokens[i] = (p.min_tokens, block)

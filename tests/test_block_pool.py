@@ -51,28 +51,59 @@ def test_free_queue_order_and_remove_from_middle():
     assert [b.block_id for b in q.popleft_n(4)] == [1, 3, 4, 2]
     with pytest.raises(ValueError, match="no free blocks"):
         q.popleft()
+    q.prepend_n([blocks[3], blocks[1]])  # into an empty queue
+    q.prepend_n([blocks[4]])
+    assert [b.block_id for b in q.get_all_free_blocks()] == [4, 3, 1] and q.num_free_blocks == 3
+    with pytest.raises(ValueError, match="already in the free queue"):
+        q.prepend_n([blocks[0], blocks[3]])
+    with pytest.raises(ValueError, match="twice"):
+        q.prepend_n([blocks[0], blocks[0]])
+    assert q.num_free_blocks == 3 and blocks[0].next_free_block is None  # a refused prepend changes nothing
 
 
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 8), ops=st.lists(st.tuples(st.sampled_from(["pop", "remove", "append"]),
-                                                     st.integers(0, 7)), max_size=40))
+def _check_links(q: FreeKVCacheBlockQueue, model: list[int]) -> None:
+    """The queue equals ``model`` walked forwards *and* backwards (so every prev/next link agrees)."""
+    assert [b.block_id for b in q.get_all_free_blocks()] == model
+    back, cur = [], q.fake_free_list_tail.prev_free_block
+    while cur is not q.fake_free_list_head:
+        back.append(cur.block_id)
+        cur = cur.prev_free_block
+    assert back == model[::-1]
+    assert q.num_free_blocks == len(model)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 8),
+       ops=st.lists(st.tuples(st.sampled_from(["pop", "pop_n", "remove", "append", "append_n", "prepend_n"]),
+                              st.lists(st.integers(0, 7), max_size=4)), max_size=40))
 def test_free_queue_matches_a_list_model(n, ops):
-    """Random pops / removals / appends agree with a plain Python list, and the links stay consistent."""
+    """Random pops / removals / appends / prepends agree with a plain Python list, and the links stay consistent
+    both ways. ``prepend_n(xs)`` is ``model[:0] = xs`` (the list keeps its order at the front, as in vLLM)."""
     blocks = [KVCacheBlock(i) for i in range(n)]
     q = FreeKVCacheBlockQueue(blocks)
     model = list(range(n))
-    for op, i in ops:
-        i %= n
+    for op, ids in ops:
+        ids = list(dict.fromkeys(i % n for i in ids))  # distinct ids
+        out = [i for i in ids if i not in model]  # those not in the queue
         if op == "pop" and model:
             assert q.popleft().block_id == model.pop(0)
-        elif op == "remove" and i in model:
-            q.remove(blocks[i])
-            model.remove(i)
-        elif op == "append" and i not in model:
-            q.append(blocks[i])
-            model.append(i)
-        assert [b.block_id for b in q.get_all_free_blocks()] == model
-        assert q.num_free_blocks == len(model)
+        elif op == "pop_n":
+            k = min(len(ids), len(model))
+            assert [b.block_id for b in q.popleft_n(k)] == model[:k]
+            del model[:k]
+        elif op == "remove" and ids and ids[0] in model:
+            q.remove(blocks[ids[0]])
+            model.remove(ids[0])
+        elif op == "append" and out:
+            q.append(blocks[out[0]])
+            model.append(out[0])
+        elif op == "append_n":
+            q.append_n([blocks[i] for i in out])
+            model.extend(out)
+        elif op == "prepend_n":
+            q.prepend_n([blocks[i] for i in out])
+            model[:0] = out
+        _check_links(q, model)
     for i in range(n):  # a block outside the queue has no links (so append/remove can detect misuse)
         if i not in model:
             assert blocks[i].prev_free_block is None and blocks[i].next_free_block is None
@@ -93,13 +124,43 @@ def test_pool_null_block_is_reserved():
 
 
 def test_pool_free_order_is_eviction_order():
+    """Hashed blocks go to the back (LRU), in the order given; unhashed ones to the front (LIFO), in the order
+    given (vLLM v0.33.0 BlockPool.free_blocks: prepend_n / append_n)."""
+    pool = BlockPool(5)
+    a = pool.get_new_blocks(2)  # blocks 1, 2
+    b = pool.get_new_blocks(2)  # blocks 3, 4
+    pool.cache_full_blocks(a + b, [bytes([i]) * 32 for i in range(4)], 0, 4)
+    pool.free_blocks(reversed(a))
+    pool.free_blocks(reversed(b))
+    # All hashed: a was freed first, and each request tail first: 2, 1, 4, 3.
+    assert [x.block_id for x in pool.free_block_queue.get_all_free_blocks()] == [2, 1, 4, 3]
     pool = BlockPool(5)
     a = pool.get_new_blocks(2)  # blocks 1, 2
     b = pool.get_new_blocks(2)  # blocks 3, 4
     pool.free_blocks(reversed(a))
     pool.free_blocks(reversed(b))
-    # a was freed first, and each request tail first: 2, 1, 4, 3.
-    assert [x.block_id for x in pool.free_block_queue.get_all_free_blocks()] == [2, 1, 4, 3]
+    # No hashes: the last freed is reused first, each request's list keeping its order at the front: 4, 3, 2, 1.
+    assert [x.block_id for x in pool.free_block_queue.get_all_free_blocks()] == [4, 3, 2, 1]
+
+
+def test_pool_unhashed_blocks_go_to_the_front_hashed_to_the_back():
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(5)  # 1..5; the free queue is empty
+    pool.cache_full_blocks(blocks, [b"p" * 32, b"q" * 32], 0, 2)  # 1 and 2 are full and cached
+    pool.free_blocks(reversed(blocks))  # tail first: 5, 4, 3 (no hash), 2, 1 (cached)
+    assert [x.block_id for x in pool.free_block_queue.get_all_free_blocks()] == [5, 4, 3, 2, 1]
+    (c,) = pool.get_new_blocks(1)
+    pool.free_blocks([c])  # an unhashed block freed later still comes before every cached block
+    assert [x.block_id for x in pool.free_block_queue.get_all_free_blocks()] == [5, 4, 3, 2, 1]
+    # Three new blocks take 5, 4, 3: the cached blocks 1 and 2 survive.
+    assert [x.block_id for x in pool.get_new_blocks(3)] == [5, 4, 3]
+    assert pool.get_cached_block(b"p" * 32) is blocks[0] and pool.get_cached_block(b"q" * 32) is blocks[1]
+    # With caching off every block is "without a hash": all LIFO.
+    pool = BlockPool(4, enable_caching=False)
+    x = pool.get_new_blocks(2)
+    pool.free_blocks([x[1]])
+    pool.free_blocks([x[0]])
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [1, 2, 3]
 
 
 def test_pool_cached_block_survives_free_until_reused():

@@ -93,10 +93,29 @@ def test_free_is_tail_first_so_tails_are_evicted_first():
     _prefill(mgr, a)
     mgr.free(a)
     order = [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
-    assert order == [5, 6, 7, 4, 3, 2, 1]
-    # Evict three blocks: 5, 6, 7 (never used) then 4, 3. Block 1 and 2 (the prefix) survive.
+    # The partial block 4 has no hash: to the front (reused first); the cached 3, 2, 1 to the back, tail first.
+    assert order == [4, 5, 6, 7, 3, 2, 1]
+    # Five new blocks: 4, 5, 6, 7 (no useful content) then 3. Block 1 and 2 (the prefix) survive.
     _prefill(mgr, _req("x", range(100, 109)))
     assert mgr.get_computed_blocks(_req("y", range(7)))[1] == 4
+
+
+def test_a_cached_prefix_is_not_evicted_while_unhashed_blocks_are_free():
+    """vLLM v0.33.0 BlockPool.free_blocks: a freed block without a hash goes to the front of the free queue, so
+    the pool reuses every such block before it evicts a cached one, whatever order they were freed in."""
+    mgr = KVCacheManager(num_blocks=6, block_size=2)  # 5 usable blocks
+    a = _req("a", [1, 2, 3])  # block 1 full (cached), block 2 partial
+    b = _req("b", [50, 51, 52])  # block 3 full (cached), block 4 partial
+    _prefill(mgr, a)
+    _prefill(mgr, b)
+    mgr.free(a)
+    mgr.free(b)  # the partial block 4 is freed after the cached block 1
+    order = [x.block_id for x in mgr.block_pool.free_block_queue.get_all_free_blocks()]
+    assert order == [4, 2, 5, 1, 3]  # unhashed 4, 2 (LIFO) and never-used 5 before cached 1, 3 (LRU)
+    _prefill(mgr, _req("c", range(100, 105)))  # 3 new blocks: 4, 2, 5; nothing cached is evicted
+    assert mgr.get_block_ids("c") == [4, 2, 5]
+    assert mgr.get_computed_blocks(_req("a2", [1, 2, 3]))[1] == 2  # a's prefix block still hits
+    assert mgr.get_computed_blocks(_req("b2", [50, 51, 52]))[1] == 2
 
 
 def test_no_caching_mode_and_bad_arguments():

@@ -9,8 +9,10 @@ Life of a block:
 3. full and cached (``cache_full_blocks``): the block gets its hash and enters ``cached_block_hash_to_block``.
 4. shared (``touch``): another request with the same prefix takes it, ``ref_cnt += 1``; if it was free (ref 0)
    it leaves the free queue from wherever it was.
-5. freed (``free_blocks``): ``ref_cnt -= 1``; at 0 it goes to the *back* of the free queue but keeps its hash, so
-   a later request can still hit it until it reaches the front and is reused.
+5. freed (``free_blocks``): ``ref_cnt -= 1``; at 0 a block *with* a hash goes to the *back* of the free queue and
+   keeps its hash, so a later request can still hit it until it reaches the front and is reused (LRU). A block
+   *without* a hash (a partial tail, or any block when caching is off) goes to the *front*: nothing can hit it, so
+   it is reused first (LIFO), and cached blocks are evicted only once no such block is left.
 
 Block 0 is the *null block*: taken out of the queue at start and never handed out; block tables use it as padding.
 
@@ -113,15 +115,28 @@ class BlockPool:
             block.incr_ref()
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference to each block; blocks reaching 0 go to the back of the free queue *in this order*.
+        """Drop one reference to each block; blocks reaching 0 return to the free queue, *in this order*.
 
-        The caller passes a request's blocks tail first, so its last blocks sit nearer the front and are evicted
-        before its first ones: a prefix is only useful if all blocks before it survive.
+        ``ordered_blocks`` is in eviction priority, first evicted first. The caller passes a request's blocks tail
+        first, so its last blocks are evicted before its first ones: a prefix is only useful if all blocks before
+        it survive. Blocks without a hash (or every block when caching is off) go to the front of the queue
+        (``prepend_n``, reused first: they can never be a prefix-cache hit), blocks with a hash to the back
+        (``append_n``, LRU among cached blocks). So a cached prefix is not evicted while a useless block is free.
+
+        vLLM v0.33.0: ``vllm/v1/core/block_pool.py:BlockPool.free_blocks`` ("LIFO reuse of non-cached blocks",
+        "FIFO reuse of cached blocks for LRU eviction behavior").
         """
-        ordered_blocks = list(ordered_blocks)
+        evict_first: list[KVCacheBlock] = []
+        evict_last: list[KVCacheBlock] = []
         for block in ordered_blocks:
             block.decr_ref()
-        self.free_block_queue.append_n(b for b in ordered_blocks if b.ref_cnt == 0 and not b.is_null)
+            if block.ref_cnt == 0 and not block.is_null:
+                if block.block_hash is None or not self.enable_caching:
+                    evict_first.append(block)
+                else:
+                    evict_last.append(block)
+        self.free_block_queue.prepend_n(evict_first)
+        self.free_block_queue.append_n(evict_last)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no request holds a block (else returns ``False``)."""

@@ -122,8 +122,11 @@ class KVCacheBlock:
 class FreeKVCacheBlockQueue:
     """The free blocks, as a doubly linked list threaded through the blocks themselves.
 
-    Order is eviction order: the front is popped first. Freed blocks are appended at the back, so the front holds
-    the blocks freed longest ago (least recently used), and cached content there is the first to be overwritten.
+    Order is eviction order: the front is popped first. :meth:`BlockPool.free_blocks` puts a freed block that has
+    a hash at the back (:meth:`append_n`), so cached blocks are reused least recently freed first (LRU), and one
+    without a hash at the front (:meth:`prepend_n`): its content can never be hit, so it is reused first (LIFO),
+    before any cached block is evicted. vLLM v0.33.0: ``vllm/v1/core/kv_cache_utils.py``
+    (``FreeKVCacheBlockQueue.prepend_n`` / ``append_n``).
     A Python ``deque`` would not do: a prefix-cache hit must take a free block out of the *middle* of the queue,
     which a linked list does in O(1) given the block.
 
@@ -174,8 +177,33 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += 1
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the back, in order: the first of them is evicted first, the last one last."""
         for block in blocks:
             self.append(block)
+
+    def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front, in order: afterwards ``blocks[0]`` is the front (popped next), then
+        ``blocks[1]``, ..., then the blocks that were free before.
+
+        Same order rule as vLLM's ``FreeKVCacheBlockQueue.prepend_n``: the list keeps its order, so
+        :meth:`BlockPool.free_blocks` passing a request's blocks tail first puts the tail at the very front.
+        """
+        blocks = list(blocks)
+        for block in blocks:
+            if block.prev_free_block is not None or block.next_free_block is not None:
+                raise ValueError(f"block {block.block_id} is already in the free queue")
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise ValueError("a block appears twice in prepend_n")
+        if not blocks:
+            return
+        first = self.fake_free_list_head.next_free_block
+        assert first is not None
+        prev = self.fake_free_list_head
+        for block in blocks:
+            prev.next_free_block, block.prev_free_block = block, prev
+            prev = block
+        prev.next_free_block, first.prev_free_block = first, prev
+        self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Every free block, front (next to be reused) to back."""

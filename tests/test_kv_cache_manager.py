@@ -17,6 +17,7 @@ def _prefill(mgr, req):
     blocks, hit = mgr.get_computed_blocks(req)
     new = mgr.allocate_slots(req, req.num_tokens - hit, hit, blocks)
     if new is not None:
+        mgr.record_prefix_cache_stats(req, hit)
         req.num_computed_tokens = req.num_tokens
     return new, hit
 
@@ -48,14 +49,30 @@ def test_full_blocks_are_cached_and_hit_but_never_the_whole_prompt():
     # Both blocks are cached, but token 7 must be recomputed to get the logits: only one block is a hit.
     assert hit == 4 and [x.block_id for x in blocks] == [1]
     new = mgr.allocate_slots(b, 4, hit, blocks)
+    mgr.record_prefix_cache_stats(b, hit)
     assert mgr.get_block_ids("b")[0] == 1 and len(new) == 1
     assert mgr.block_pool.blocks[1].ref_cnt == 2
     c = _req("c", list(range(8)) + [9])
-    assert mgr.get_computed_blocks(c)[1] == 8
+    assert mgr.get_computed_blocks(c)[1] == 8  # looked up, never admitted: not counted
     s = mgr.prefix_cache_stats
-    assert (s.requests, s.queries, s.hits) == (3, 8 + 8 + 9, 0 + 4 + 8)
-    assert s.hit_rate == pytest.approx(12 / 25)
-    assert mgr.make_prefix_cache_stats().hits == 12 and mgr.prefix_cache_stats.hits == 0
+    assert (s.requests, s.queries, s.hits) == (2, 8 + 8, 0 + 4)
+    assert s.hit_rate == pytest.approx(4 / 16)
+    c.num_preemptions = 1  # admitted again after a preemption: counted apart, outside the hit rate
+    mgr.record_prefix_cache_stats(c, 8)
+    assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 9, 8) and s.requests == 2
+    assert mgr.make_prefix_cache_stats().hits == 4 and mgr.prefix_cache_stats.hits == 0
+
+
+def test_lookups_are_not_counted_only_admissions_are():
+    """vLLM v0.33.0 counts a request once, at admission (kv_cache_manager.py:KVCacheManager.
+    record_prefix_cache_stats, called from Scheduler.schedule); get_computed_blocks records nothing."""
+    mgr = KVCacheManager(num_blocks=10, block_size=4)
+    _prefill(mgr, _req("a", range(9)))
+    b = _req("b", range(9))
+    for _ in range(3):  # a request that waits: looked up in each of three steps
+        assert mgr.get_computed_blocks(b)[1] == 8
+    s = mgr.prefix_cache_stats
+    assert (s.requests, s.queries, s.hits) == (1, 9, 0)  # only a
 
 
 def test_a_different_first_block_breaks_the_chain():

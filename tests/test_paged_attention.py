@@ -143,6 +143,7 @@ def test_paged_prefill_and_decode_match_contiguous_cache(model, tokenizer):
     assert hit == 8  # A's blocks 0-1 are full and cached; block 2 (tokens 8-11) is only partly computed
     mgr.allocate_slots(a, a.num_tokens - 10)
     mgr.allocate_slots(b, b.num_tokens - hit, hit, hit_blocks)
+    mgr.record_prefix_cache_stats(b, hit)  # admitted (the scheduler's job)
     assert mgr.get_block_ids("b")[:2] == mgr.get_block_ids("a")[:2]
     reqs = [a, b]
     comp, new = [10, hit], [a.num_tokens - 10, b.num_tokens - hit]

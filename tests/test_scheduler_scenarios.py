@@ -271,6 +271,31 @@ def test_prefix_hit_skips_cached_full_blocks_but_never_the_last_token():
     assert new["C"].block_ids[0] == a_blocks[0]
 
 
+def test_prefix_cache_stats_count_a_waiting_request_once_at_admission():
+    """B waits two steps for KV space and is looked up in each; the statistics count it once, when admitted
+    (vLLM v0.33.0: Scheduler.schedule calls KVCacheManager.record_prefix_cache_stats after allocate_slots)."""
+    sched, runner = make_scheduler(budget=32, max_model_len=16, num_blocks=6, caching=True)  # 5 usable blocks
+    mgr = sched.kv_cache_manager
+    lookups = []
+    get_computed_blocks = mgr.get_computed_blocks
+    mgr.get_computed_blocks = lambda r: lookups.append(r.request_id) or get_computed_blocks(r)
+    sched.add_request(req("A", 8, max_tokens=1))  # 2 full blocks, finishes at once; they stay cached
+    sched.add_request(req("D", 9, max_tokens=3, start=100))  # 3 blocks for 3 steps
+    step(sched, runner)
+    sched.add_request(Request("B", list(range(8)) + list(range(50, 56)), SamplingParams(max_tokens=2)))
+    admitted_at = None
+    for i in range(5):
+        so, _ = step(sched, runner)
+        if "B" in so.num_scheduled_tokens and admitted_at is None:
+            admitted_at = i
+            assert so.scheduled_new_reqs[0].num_computed_tokens == 8  # A's two blocks hit
+    # B needs 4 free blocks (2 free cached hits + 2 new) and D holds 3 of 5 until it finishes.
+    assert admitted_at == 2 and lookups.count("B") == 3
+    s = mgr.prefix_cache_stats
+    assert (s.requests, s.queries, s.hits) == (3, 8 + 9 + 14, 0 + 0 + 8)  # A, D, B: once each
+    assert s.preempted_requests == 0
+
+
 # -- update_from_output -------------------------------------------------------------------------------------------
 def test_sampled_token_of_a_request_mid_prefill_is_ignored():
     sched, _ = make_scheduler(budget=4, max_num_seqs=1)

@@ -5,6 +5,8 @@ The scheduler asks two questions per request and step:
 - :meth:`KVCacheManager.get_computed_blocks` (a new request only): how much of the prompt is already in the cache?
   The answer is the longest run of *full* blocks whose hash chain matches, capped below the prompt length: the
   last prompt token is always recomputed, because its forward pass produces the logits of the first output token.
+  (Once the request is admitted, the scheduler counts the lookup in the hit statistics:
+  :meth:`KVCacheManager.record_prefix_cache_stats`.)
 - :meth:`KVCacheManager.allocate_slots`: give this request room for ``num_new_tokens`` more tokens (plus, the first
   time, the cache hits found above), or say ``None`` if the pool is too small, so the scheduler can stop admitting
   requests or preempt one.
@@ -108,11 +110,21 @@ class KVCacheManager:
             if block is None:
                 break  # the chain: a miss at block i means no later block can match
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self._block_size
-        self.prefix_cache_stats.requests += 1
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_hit_tokens
-        return blocks, num_hit_tokens
+        # No statistics here: a request waiting for room is looked up again every step. The scheduler counts it
+        # once, when it is admitted (record_prefix_cache_stats).
+        return blocks, len(blocks) * self._block_size
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count ``request`` in :attr:`prefix_cache_stats`: call once, when it is admitted (its ``allocate_slots``
+        with the blocks of :meth:`get_computed_blocks` succeeded). A no-op when caching is off (no lookup was made).
+
+        vLLM v0.33.0: ``vllm/v1/core/kv_cache_manager.py:KVCacheManager.record_prefix_cache_stats``, called in
+        ``vllm/v1/core/sched/scheduler.py:Scheduler.schedule`` after ``allocate_slots``.
+        """
+        if not self.enable_caching:
+            return
+        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
+                                       preempted=request.num_preemptions > 0)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:

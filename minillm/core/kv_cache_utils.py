@@ -217,21 +217,47 @@ class FreeKVCacheBlockQueue:
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache hit counters since the last reset.
+    """Prefix-cache hit counters since the last reset, one record per *admitted* request.
+
+    A request is counted when the scheduler admits it (:meth:`KVCacheManager.record_prefix_cache_stats` after its
+    ``allocate_slots`` succeeded), not at each lookup: a request that waits several steps for KV space or token
+    budget is looked up each step but counted once. A preempted request that is admitted again is counted in the
+    ``preempted_*`` fields, apart, so the hit rate describes new requests only. vLLM v0.33.0:
+    ``vllm/v1/metrics/stats.py:PrefixCacheStats.record``, called through
+    ``vllm/v1/core/kv_cache_manager.py:KVCacheManager.record_prefix_cache_stats`` from ``Scheduler.schedule``
+    ("Record at admission so unscheduled lookups are not counted").
 
     Attributes:
-        requests: how many lookups (:meth:`KVCacheManager.get_computed_blocks` calls).
-        queries: tokens looked up (the requests' lengths).
-        hits: tokens found in the cache (whose prefill is skipped).
+        requests: new requests admitted after a prefix-cache lookup.
+        queries: tokens looked up for them (their lengths).
+        hits: tokens of theirs found in the cache (whose prefill is skipped).
+        preempted_requests / preempted_queries / preempted_hits: the same for requests admitted again after a
+            preemption.
     """
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        """Count one admitted request: ``num_tokens`` looked up, ``num_hits`` of them found in the cache."""
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+            return
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hits
 
     @property
     def hit_rate(self) -> float:
+        """Hit tokens over looked-up tokens, new requests only (as vLLM's ``CachingMetrics``)."""
         return self.hits / self.queries if self.queries else 0.0
 
     def reset(self) -> None:
         self.requests = self.queries = self.hits = 0
+        self.preempted_requests = self.preempted_queries = self.preempted_hits = 0

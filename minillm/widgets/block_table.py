@@ -149,6 +149,7 @@ class BlockTableWidget:
         blocks, hit = self.manager.get_computed_blocks(req)
         if self.manager.allocate_slots(req, req.num_tokens - hit, hit, blocks) is None:
             return f"{req.request_id}: not enough free blocks for {req.num_tokens} tokens; free a request first"
+        self.manager.record_prefix_cache_stats(req, hit)  # admitted: counted once, as the scheduler does
         req.num_computed_tokens = req.num_tokens
         self.requests[req.request_id] = req
         return f"{req.request_id}: {req.num_tokens} prompt tokens, {hit} from the prefix cache"

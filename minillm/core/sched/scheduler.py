@@ -267,6 +267,9 @@ class Scheduler:
                                                               new_computed_blocks)
             if new_blocks is None:
                 break  # the KV cache is full; requests behind it wait too (no overtaking)
+            # Counted now, once: a request that waited several steps was looked up in each (as vLLM v0.33.0's
+            # Scheduler.schedule: "Record at admission so unscheduled lookups are not counted").
+            self.kv_cache_manager.record_prefix_cache_stats(request, num_computed_tokens)
 
             self.waiting.pop_request()
             self.running.append(request)

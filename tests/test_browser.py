@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 import nbformat
 import numpy as np
 import pytest
+
+from tests.net_helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = next((p for p in (os.environ.get("MINILLM_CHROMIUM"), shutil.which("chromium"),
@@ -43,12 +44,6 @@ CLICKS = 10
 CELL_TIMEOUT_MS = 240_000  # notebook 02 runs the real model before its widget: ~1 min on 2 cores, 4x margin
 
 pytestmark = [pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +64,7 @@ def lab(tmp_path_factory):
     news.parent.mkdir(parents=True)
     news.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))  # no pop-up over the cells
     app_settings.mkdir()  # an empty app settings dir: JupyterLab's defaults, not make lab's overrides.json
-    port, token = _free_port(), "minillm-browser-test"
+    port, token = free_port(), "minillm-browser-test"
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(root / ".jupyter"), OMP_NUM_THREADS="2")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",

@@ -3,7 +3,6 @@ on a free port, fetch /lab and the folder listings, stop it."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -11,18 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.net_helpers import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_make_lab_serves_the_notebooks():
-    port, token = _free_port(), "minillm-test"
+    port, token = free_port(), "minillm-test"
     args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token}"
     proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)

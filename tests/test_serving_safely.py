@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 from minillm.entrypoints.openai.api_server import BackgroundServer
+from tests.net_helpers import free_port
 from tests.test_async_llm import FakeEngine, expected_text
 
 
@@ -274,12 +274,6 @@ def tiny_checkpoint(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(model, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     env.pop("MINILLM_API_KEY", None)
@@ -305,7 +299,7 @@ def _wait_up(proc: subprocess.Popen, url: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_with_requests_in_flight_exits_0_within_5_s(tiny_checkpoint, sig):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _serve(tiny_checkpoint, "--port", str(port))
     try:

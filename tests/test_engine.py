@@ -136,6 +136,31 @@ def test_seeded_sampling_ignores_batching_chunking_and_preemption():
     assert len(set(map(tuple, outs[0].values()))) == 3
 
 
+def test_every_scheduled_request_gets_a_sampled_row_and_mid_prefill_rows_are_dropped():
+    """The engine's SamplerOutput.sampled_token_ids is int32 [num_reqs, 1], a row per scheduled request in the
+    runner's order, mid-prefill ones included (vLLM v0.33.0: logits at logits_indices for every request, then
+    discard_request_mask); the dropped rows reach neither the request nor the step's outputs."""
+    engine = LLMEngine(_TINY_MODEL, None, EngineArgs(block_size=4, num_gpu_blocks=64, max_model_len=48,
+                                                     long_prefill_token_threshold=5, max_num_batched_tokens=12))
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    engine.add_request("A", list(range(1, 13)), params)
+    engine.add_request("B", list(range(20, 23)), params)
+    num_discarded = 0
+    while engine.has_unfinished_requests():
+        before = {rid: r.num_output_tokens for rid, r in engine.scheduler.requests.items()}
+        outs = {o.request_id: o for o in engine.step()}
+        x, out = engine.model_runner.last_inputs, engine.model_runner.last_sampler_output
+        assert out.sampled_token_ids.shape == (len(x.req_ids), 1) and out.sampled_token_ids.dtype == torch.int32
+        for i, rid in enumerate(x.req_ids):
+            if x.discard_request_mask[i]:
+                num_discarded += 1
+                assert rid not in outs and engine.scheduler.requests[rid].num_output_tokens == before[rid] == 0
+            else:
+                assert outs[rid].outputs[0].token_ids[-1] == int(out.sampled_token_ids[i, 0])
+    assert num_discarded == 2  # A's first two 5-token chunks
+    assert_all_blocks_free(engine)
+
+
 def test_priority_policy_runs_the_urgent_request_first():
     engine = LLMEngine(_TINY_MODEL, None, EngineArgs(num_gpu_blocks=40, max_model_len=48, max_num_seqs=1,
                                                      scheduling_policy="priority"))

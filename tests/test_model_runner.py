@@ -76,7 +76,7 @@ def test_prepare_inputs_builds_the_flat_batch_by_hand():
     # position 8 in block 9.
     assert x.slot_mapping.tolist() == [12, 13, 14, 15, 28, 29] + [8, 9, 10, 11, 36]
     assert x.logits_indices.tolist() == [5, 10]
-    assert x.sample_mask.tolist() == [True, False]  # B is mid-prefill: no token
+    assert x.discard_request_mask.tolist() == [False, True]  # B is mid-prefill: its token is sampled, then dropped
     assert len(out.sampled_token_ids[0]) == 1 and out.sampled_token_ids[1] == []
     tok_a = out.sampled_token_ids[0][0]
 
@@ -89,7 +89,7 @@ def test_prepare_inputs_builds_the_flat_batch_by_hand():
     assert x.block_table.tolist() == [[3, 7, 0, 0], [5, 2, 9, 11]]
     assert x.slot_mapping.tolist() == [30, 37, 38]
     assert x.logits_indices.tolist() == [0, 2]
-    assert x.sample_mask.tolist() == [True, True]
+    assert x.discard_request_mask.tolist() == [False, False]
 
 
 def test_runner_resumes_a_preempted_request_from_all_its_tokens():
@@ -106,7 +106,9 @@ def test_runner_resumes_a_preempted_request_from_all_its_tokens():
     assert runner.requests["A"].token_ids[:4] == [1, 2, 3, first]
 
 
-def test_runner_computes_logits_only_where_a_token_is_due(monkeypatch):
+def test_runner_samples_every_request_and_discards_the_mid_prefill_rows(monkeypatch):
+    """As vLLM v0.33.0 (gpu_model_runner.py: discard_request_mask): logits at logits_indices for every scheduled
+    request, one sampled row each (int32 [num_reqs, 1]), and the token of a request still mid-prefill dropped."""
     model = tiny_model()
     runner = ModelRunner(model, num_blocks=16, block_size=4)
     rows = []
@@ -114,8 +116,60 @@ def test_runner_computes_logits_only_where_a_token_is_due(monkeypatch):
     monkeypatch.setattr(model, "compute_logits", lambda h: rows.append(h.shape[0]) or orig(h))
     so = SchedulerOutput([_new("A", [1] * 8, [1, 2]), _new("B", [2] * 9, [3, 4, 5]), _new("C", [3] * 2, [6])],
                          CachedRequestData(), {"A": 8, "B": 4, "C": 2}, 14)
-    runner.execute_model(so)
-    assert rows == [2]  # A and C finish their prompts; B is mid-prefill
+    out = runner.execute_model(so)
+    assert rows == [3]  # A and C finish their prompts; B is mid-prefill, and its row is computed too
+    x, sampler_output = runner.last_inputs, runner.last_sampler_output
+    assert x.discard_request_mask.tolist() == [False, True, False]
+    ids = sampler_output.sampled_token_ids
+    assert ids.shape == (3, 1) and ids.dtype == torch.int32
+    assert out.sampled_token_ids == [[int(ids[0, 0])], [], [int(ids[2, 0])]]  # B's row never reaches the output
+    assert runner.requests["B"].token_ids == [2] * 9  # nor the request: its next token is its own prompt's
+    assert len(runner.requests["A"].token_ids) == 9 and len(runner.requests["C"].token_ids) == 3
+
+
+def _run_seeded(chunks: list[int], num_decodes: int, *, others: bool = False) -> tuple[list[int], list[int]]:
+    """One seeded request (temperature 1) on a fresh runner: its 10-token prompt in ``chunks``, then
+    ``num_decodes`` decodes. With ``others``, a second seeded request rides along, decoding every step.
+    Returns the seeded request's sampled tokens and the number of rows of each step's sampler output."""
+    runner = ModelRunner(tiny_model(), num_blocks=16, block_size=4)
+    prompt = list(range(40, 50))
+    params = dict(temperature=1.0, seed=7, max_tokens=16)
+    new = [NewRequestData("S", prompt, SamplingParams(**params), [1, 2, 3, 4, 5], 0)]
+    sched = {"S": chunks[0]}
+    if others:
+        new.append(NewRequestData("O", [5, 6], SamplingParams(temperature=1.0, seed=99, max_tokens=32),
+                                  [6, 7, 8, 9], 0))
+        sched["O"] = 2
+    runner.execute_model(SchedulerOutput(new, CachedRequestData(), sched, sum(sched.values())))
+    row_counts = [runner.last_sampler_output.sampled_token_ids.shape[0]]
+    done = chunks[0]
+    steps = list(chunks[1:]) + [1] * num_decodes
+    for n in steps:
+        req_ids, computed, sched = ["S"], [done], {"S": n}
+        if others:
+            o = runner.requests["O"]
+            req_ids.append("O")
+            computed.append(len(o.token_ids) - 1)
+            sched["O"] = 1
+        cached = CachedRequestData(req_ids=req_ids, new_block_ids=[[] for _ in req_ids], num_computed_tokens=computed,
+                                   num_output_tokens=[len(runner.requests[r].output_token_ids) for r in req_ids])
+        runner.execute_model(SchedulerOutput([], cached, sched, sum(sched.values())))
+        row_counts.append(runner.last_sampler_output.sampled_token_ids.shape[0])
+        done += n
+    return runner.requests["S"].output_token_ids, row_counts
+
+
+def test_seeded_request_samples_the_same_with_and_without_chunked_prefill():
+    """The discarded draws of a mid-prefill seeded request leave its generator where it was (vLLM v0.33.0 rewinds
+    it in gpu_model_runner.py:GPUModelRunner._bookkeeping_sync), so chunking does not change its samples."""
+    whole, rows_whole = _run_seeded([10], 6)
+    chunked, rows_chunked = _run_seeded([3, 3, 4], 6)
+    assert rows_whole == [1] * 7 and rows_chunked == [1] * 9  # the 2 mid-prefill steps were sampled too
+    assert len(whole) == 7 and chunked == whole
+    assert len(set(whole)) > 1  # really random (the tiny model's vocabulary is 211)
+    # The same next to another seeded request that decodes every step (its rows are kept).
+    assert _run_seeded([3, 3, 4], 6, others=True)[0] == whole
+    assert _run_seeded([1] * 10, 6, others=True)[0] == whole
 
 
 def test_runner_rejects_an_unknown_backend():

@@ -4,6 +4,7 @@ One :meth:`LLMEngine.step`::
 
     scheduler.schedule()              -> SchedulerOutput      which requests run, how many tokens each
     model_runner.execute_model(...)   -> ModelRunnerOutput    flat batch -> model -> logits at logits_indices -> sample
+                                                              (a row per request; mid-prefill rows discarded)
     scheduler.update_from_output(...) -> EngineCoreOutputs    append tokens, check_stop, free finished blocks
     output_processor.process_outputs  -> RequestOutputs       detokenize, stop strings, streaming deltas
 

@@ -12,9 +12,11 @@ Each step it
 3. runs the model once over the batch, with attention through the paged KV cache (backend ``"torch"``:
    :class:`~minillm.attention.torch_sdpa.TorchSDPAAttention`; ``"triton"``: the chapter-3 kernels through
    :class:`~minillm.attention.paged.PagedAttention`);
-4. computes logits only for the requests whose scheduled tokens reach the end of what they have (a request still
-   mid-prefill has nothing to predict yet), samples them all in one :class:`~minillm.sample.sampler.Sampler` call and
-   appends each sampled token to its request;
+4. computes logits at ``logits_indices`` for **every** scheduled request and samples them all in one
+   :class:`~minillm.sample.sampler.Sampler` call (``sampled_token_ids`` int32 ``[num_reqs, 1]``), then discards the
+   token of each request still mid-prefill (``discard_request_mask``: its next token is already known, it is its own
+   prompt) and appends the others to their requests. A seeded request's generator is rewound after a discarded
+   draw, so chunking the prompt does not change what it samples later;
 5. with speculative decoding (``speculative_config``): a request's scheduled tokens end with its draft tokens, the
    logits of its last ``drafts + 1`` rows go to the :class:`~minillm.sample.rejection_sampler.RejectionSampler`,
    which keeps the drafts the model agrees with and adds one token of its own; then the
@@ -22,8 +24,14 @@ Each step it
 
 vLLM counterpart: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``: ``_update_states``,
 ``_prepare_inputs``, ``execute_model``) with ``vllm/v1/worker/gpu_input_batch.py`` (``CachedRequestState``,
-``InputBatch``) and ``vllm/v1/worker/block_table.py``. vLLM keeps the batch in persistent pinned buffers updated in
-place, computes the logits of every request (and rewinds the generators of the mid-prefill ones), and adds CUDA
+``InputBatch``) and ``vllm/v1/worker/block_table.py``. The discarded rows are vLLM v0.33.0's: its V1 runner sets
+``discard_request_mask`` where ``seq_len < num_tokens`` (``vllm/v1/worker/gpu_model_runner.py:
+GPUModelRunner._prepare_inputs``), samples every request, then in ``GPUModelRunner._bookkeeping_sync`` clears those
+rows' tokens and rewinds each one's seeded generator (``gen.set_offset(gen.get_offset() - 4)``). Model Runner V2
+(``vllm/v1/worker/gpu/``) also samples every request (``vllm/v1/worker/gpu/sample/sampler.py:Sampler.__call__``) and
+sets ``num_sampled`` to 0 where ``seq_len < prefill_len`` (``vllm/v1/worker/gpu/input_batch.py:
+get_num_sampled_and_rejected``); its seeded noise is a hash of (seed, position) (``gpu/sample/gumbel.py``), so
+there is no generator to rewind. vLLM keeps the batch in persistent pinned buffers updated in place, and adds CUDA
 graphs, ``torch.compile``, draft-model and EAGLE speculative decoding, LoRA, multimodal inputs and pipeline/tensor
 parallelism.
 """
@@ -40,6 +48,7 @@ from minillm.attention.paged import BACKENDS, PagedAttention, allocate_kv_caches
 from minillm.attention.torch_sdpa import TorchSDPAAttention
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.model.llama import LlamaForCausalLM
+from minillm.outputs import SamplerOutput
 from minillm.sample.metadata import SamplingMetadata, make_generator
 from minillm.sample.rejection_sampler import RejectionSampler
 from minillm.sample.sampler import Sampler
@@ -84,9 +93,11 @@ class BatchInputs:
         positions: ``[num_tokens]`` int64 absolute positions (``num_computed_tokens + j`` for the ``j``-th new token).
         attn_metadata: ``query_start_loc`` ``[num_reqs + 1]``, ``seq_lens`` ``[num_reqs]``, ``block_table``
             ``[num_reqs, max_num_blocks]``, ``slot_mapping`` ``[num_tokens]``.
-        logits_indices: ``[num_reqs]`` int64, the last row of each request (``query_start_loc[1:] - 1``).
-        sample_mask: ``[num_reqs]`` bool, ``True`` where this step's tokens reach the end of the request's tokens, so
-            the logits at its ``logits_indices`` row predict a real new token.
+        logits_indices: ``[num_reqs]`` int64, the last row of each request (``query_start_loc[1:] - 1``). Every
+            request's row is sent to the LM head and sampled, mid-prefill or not (as in vLLM).
+        discard_request_mask: ``[num_reqs]`` bool (NumPy), ``True`` where this step's tokens stop short of the
+            request's tokens (``seq_lens < num_tokens``: mid-prefill), so the token sampled at its
+            ``logits_indices`` row is thrown away. vLLM's name (``GPUModelRunner.discard_request_mask``).
         draft_token_ids: per request, the draft tokens at the end of its rows (empty without speculative decoding).
     """
 
@@ -95,7 +106,7 @@ class BatchInputs:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
-    sample_mask: np.ndarray
+    discard_request_mask: np.ndarray
     draft_token_ids: list[list[int]]
 
     @property
@@ -136,6 +147,10 @@ class ModelRunner:
         kv_caches: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads,
             head_dim]``.
         last_inputs: the :class:`BatchInputs` of the latest step (for inspection and teaching).
+        last_sampler_output: the latest step's :class:`~minillm.outputs.SamplerOutput`, one row per scheduled
+            request in ``last_inputs.req_ids`` order: ``sampled_token_ids`` int32 ``[num_reqs, 1]`` without drafts,
+            ``[num_reqs, max_num_draft + 1]`` with them. Rows where ``last_inputs.discard_request_mask`` is set hold
+            a token that was sampled and then dropped (it never reaches the request or the outputs).
         last_step_seconds: wall time of the latest :meth:`execute_model`.
     """
 
@@ -161,6 +176,7 @@ class ModelRunner:
                                          speculative_config["num_speculative_tokens"])
         self.requests: dict[str, CachedRequestState] = {}
         self.last_inputs: BatchInputs | None = None
+        self.last_sampler_output: SamplerOutput | None = None
         self.last_step_seconds = 0.0
         # Persistent host buffer for the block table, grown as needed (vLLM keeps a persistent one too).
         self._block_table_np = np.zeros((16, 16), dtype=np.int32)
@@ -225,8 +241,11 @@ class ModelRunner:
         slot_mapping = (block_table[req_idx, positions // self.block_size].astype(np.int64) * self.block_size
                         + positions % self.block_size)
         seq_lens = (num_computed + num_sched).astype(np.int32)
-        sample_mask = seq_lens == np.fromiter((len(s.token_ids) + len(d) for s, d in zip(states, drafts)),
-                                              dtype=np.int64, count=num_reqs)
+        # Mid-prefill: this step ends before the request's known tokens do (drafts count as known: they are the
+        # last scheduled tokens), so the token predicted at its last row is already known. vLLM v0.33.0:
+        # discard_request_mask = seq_lens < num_tokens (gpu_model_runner.py:GPUModelRunner._prepare_inputs).
+        discard_request_mask = seq_lens < np.fromiter((len(s.token_ids) + len(d) for s, d in zip(states, drafts)),
+                                                      dtype=np.int64, count=num_reqs)
 
         dev = self.device
         md = AttentionMetadata(
@@ -238,7 +257,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         return BatchInputs(req_ids, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
-                           torch.from_numpy(cu - 1).to(dev), sample_mask, drafts)
+                           torch.from_numpy(cu - 1).to(dev), discard_request_mask, drafts)
 
     def make_attention(self, md: AttentionMetadata):
         """The :class:`~minillm.attention.backend.AttentionImpl` of one step, for the configured backend."""
@@ -260,8 +279,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Returns one row per scheduled request: ``[token]`` if it sampled one, ``[]`` if it is still
-        mid-prefill."""
+        """Run one step. Returns one row per scheduled request: the tokens it sampled (``[token]`` without drafts),
+        or ``[]`` if it is still mid-prefill (its row was sampled and discarded, as vLLM's runner clears it)."""
         start = time.perf_counter()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -270,27 +289,36 @@ class ModelRunner:
         self.last_inputs = inputs
         hidden = self.model(inputs.input_ids, inputs.positions, attn=self.make_attention(inputs.attn_metadata))
 
-        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
-        rows = np.nonzero(inputs.sample_mask)[0]
+        states = [self.requests[rid] for rid in inputs.req_ids]
+        discard = np.nonzero(inputs.discard_request_mask)[0].tolist()
+        # A discarded draw must not advance a seeded request's generator, or its later samples would depend on how
+        # its prompt was chunked. vLLM rewinds the CUDA Philox offset by the 4 one draw takes; restoring the saved
+        # state is the same thing, exact for any generator (CPU ones have no offset).
+        rewind = {i: states[i].generator.get_state() for i in discard if states[i].generator is not None}
+        md = self._sampling_metadata(states)
+        if any(inputs.draft_token_ids):
+            out = self._verify_drafts(hidden, inputs, md)
+            sampled = RejectionSampler.parse_output(out.sampled_token_ids, self.vocab_size)
+        else:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_reqs, vocab]
+            out = self.sampler(logits, md)
+            sampled = out.sampled_token_ids.tolist()  # [num_reqs][1]
+        for i, state in rewind.items():
+            states[i].generator.set_state(state)
+        self.last_sampler_output = out
+        for i in discard:
+            sampled[i] = []  # mid-prefill: the token never reaches the request (vLLM clears the row too)
+        for s, tokens in zip(states, sampled):
+            s.token_ids.extend(tokens)
+
         logprobs: dict[str, list[dict[int, float]]] | None = None
-        if len(rows) and any(inputs.draft_token_ids[r] for r in rows):
-            self._verify_drafts(hidden, inputs, rows, sampled)
-        elif len(rows):
-            row_idx = torch.from_numpy(rows).to(self.device)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices[row_idx]])
-            states = [self.requests[inputs.req_ids[r]] for r in rows]
-            out = self.sampler(logits, self._sampling_metadata(states))
-            tokens = out.sampled_token_ids[:, 0].tolist()
-            for r, s, t in zip(rows, states, tokens):
-                s.token_ids.append(t)
-                sampled[r] = [t]
-            if out.logprobs_tensors is not None:
-                ids, lps, _ = out.logprobs_tensors.tolists()
-                logprobs = {}
-                for k, s in enumerate(states):
-                    n = s.sampling_params.logprobs
-                    if n is not None:
-                        logprobs[s.req_id] = [dict(zip(ids[k][:n + 1], lps[k][:n + 1]))]
+        if out.logprobs_tensors is not None:
+            ids, lps, _ = out.logprobs_tensors.tolists()
+            logprobs = {}
+            for k, s in enumerate(states):
+                n = s.sampling_params.logprobs
+                if n is not None and sampled[k]:
+                    logprobs[s.req_id] = [dict(zip(ids[k][:n + 1], lps[k][:n + 1]))]
         for rid, seq_len in zip(inputs.req_ids, inputs.attn_metadata.seq_lens.tolist()):
             self.requests[rid].num_computed_tokens = seq_len  # the scheduler sends the true value (drafts) next step
         draft_token_ids = self._propose_drafts(inputs.req_ids, sampled) if self.drafter is not None else None
@@ -298,23 +326,23 @@ class ModelRunner:
         return ModelRunnerOutput(inputs.req_ids, {rid: i for i, rid in enumerate(inputs.req_ids)}, sampled, logprobs,
                                  draft_token_ids)
 
-    def _verify_drafts(self, hidden: torch.Tensor, inputs: BatchInputs, rows: np.ndarray,
-                       sampled: list[list[int]]) -> None:
-        """The sampling step when drafts are in the batch: logits for each sampled request's last ``d + 1`` rows
-        (its drafts and the token before them), the rejection sampler, then append what it kept."""
-        drafts = [inputs.draft_token_ids[r] for r in rows]
+    def _verify_drafts(self, hidden: torch.Tensor, inputs: BatchInputs, md: SamplingMetadata) -> SamplerOutput:
+        """The sampling step when drafts are in the batch: logits for each request's last ``d + 1`` rows (its
+        drafts and the token before them; ``d = 0`` for a request without drafts, mid-prefill ones included), then
+        the rejection sampler over the whole batch.
+
+        Returns:
+            its :class:`SamplerOutput`, ``sampled_token_ids`` int32 ``[num_reqs, max_num_draft + 1]``.
+        """
+        drafts = inputs.draft_token_ids
         ends = inputs.logits_indices.tolist()  # each request's last row
-        sel = torch.tensor([j for r, d in zip(rows, drafts) for j in range(ends[r] - len(d), ends[r] + 1)],
+        sel = torch.tensor([j for e, d in zip(ends, drafts) for j in range(e - len(d), e + 1)],
                            dtype=torch.long, device=self.device)
         # Without a query_start_loc, make() lays each request's d + 1 rows side by side, as sel does: its
         # logits_indices are 0 .. len(sel) - 1, the rows of hidden[sel] in order.
         spec = SpecDecodeMetadata.make(drafts)
         logits = self.model.compute_logits(hidden[sel])
-        states = [self.requests[inputs.req_ids[r]] for r in rows]
-        out = self.rejection_sampler(spec, None, logits, self._sampling_metadata(states))
-        for r, s, tokens in zip(rows, states, RejectionSampler.parse_output(out.sampled_token_ids, self.vocab_size)):
-            s.token_ids.extend(tokens)
-            sampled[r] = tokens
+        return self.rejection_sampler(spec, None, logits, md)
 
     def _propose_drafts(self, req_ids: list[str], sampled: list[list[int]]) -> list[list[int]]:
         """Drafts for the next step of each request that just sampled, never more than its ``max_tokens`` leaves

@@ -110,7 +110,10 @@ class ModelRunnerOutput:
         req_ids: the scheduled request ids, in the runner's row order.
         req_id_to_index: request id -> row.
         sampled_token_ids: per row, the tokens sampled for that request (one without speculative decoding). A
-            request still mid-prefill gets a row too, but its token is meaningless and the scheduler drops it.
+            request still mid-prefill gets an empty row: the runner sampled a token for it and discarded it, as
+            vLLM v0.33.0's runner clears that row (``GPUModelRunner._bookkeeping_sync``). The scheduler skips such
+            a request whatever its row holds (``num_computed_tokens < num_tokens``), so a runner that does return a
+            token there (the fake runners of chapter 4) is harmless.
         logprobs: request id -> one ``{token_id: logprob}`` per sampled token (the sampled token first, then the
             most likely ones), only for requests that asked for ``logprobs``; ``None`` when none did.
         draft_token_ids: per row, the drafts proposed for the next step (speculative decoding only; ``None``

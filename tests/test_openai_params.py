@@ -1,8 +1,11 @@
-"""OpenAI request body -> SamplingParams: max_completion_tokens vs max_tokens, the default, refusals."""
+"""OpenAI request body -> SamplingParams: max_completion_tokens vs max_tokens, the default, lowering, refusals.
+
+The length rule is vLLM v0.33.0's: above max_model_len is a 400, above the room left is lowered to the room.
+"""
 import pytest
 
-from minillm.entrypoints.openai.sampling import (ContextLengthExceededError, resolve_max_tokens,
-                                                 to_sampling_params)
+from minillm.entrypoints.openai.sampling import (ContextLengthExceededError, requested_max_tokens,
+                                                 resolve_max_tokens, to_sampling_params)
 
 
 def test_max_completion_tokens_wins_over_deprecated_max_tokens():
@@ -22,30 +25,57 @@ def test_default_is_the_room_left():
 
 @pytest.mark.parametrize("api,name", [("chat", "max_completion_tokens"), ("chat", "max_tokens"),
                                       ("completion", "max_tokens")])
-def test_a_limit_larger_than_the_room_is_refused_like_vllm(api, name):
-    """vLLM refuses (400) rather than lowering the limit, and says by how much it is over."""
+def test_a_limit_larger_than_the_room_is_lowered_to_it_like_vllm(api, name):
+    """vLLM v0.33.0 (``get_max_tokens``): a limit that fits max_model_len but not the room the prompt leaves is
+    silently lowered to the room (older releases refused it with a 400)."""
+    assert to_sampling_params({name: 1949}, prompt_len=100, max_model_len=2048, api=api).max_tokens == 1948
+    assert resolve_max_tokens({name: 2048}, 100, 2048, api=api) == 1948  # max_model_len itself is allowed
+    assert resolve_max_tokens({name: 2048}, 2047, 2048, api=api) == 1
+
+
+@pytest.mark.parametrize("api,name", [("chat", "max_completion_tokens"), ("chat", "max_tokens"),
+                                      ("completion", "max_tokens")])
+def test_a_limit_larger_than_max_model_len_is_refused_like_vllm(api, name):
+    """vLLM v0.33.0 (``TokenizeParams.__post_init__``): a limit above max_model_len itself is a 400, whatever the
+    prompt, and the message names the field, both numbers and what to do."""
     with pytest.raises(ContextLengthExceededError) as e:
-        to_sampling_params({name: 5000}, prompt_len=100, max_model_len=2048, api=api)
+        to_sampling_params({name: 2049}, prompt_len=100, max_model_len=2048, api=api)
     assert e.value.param == name
-    msg = str(e.value)
-    assert msg.startswith(f"{name} is too large: 5000.")
-    assert "maximum context length is 2048 tokens" in msg and "100 input tokens" in msg
-    assert "(5000 > 2048 - 100)" in msg
+    assert str(e.value) == (f"{name}=2049 cannot be greater than max_model_len=2048. "
+                            f"Please request fewer output tokens.")
     assert isinstance(e.value, ValueError)  # callers that catch ValueError still see a refusal
-    with pytest.raises(ContextLengthExceededError, match=r"\(1949 > 2048 - 100\)"):
-        resolve_max_tokens({name: 1949}, 100, 2048, api=api)  # one over the room
+    with pytest.raises(ContextLengthExceededError, match=f"{name}=5000 cannot be greater"):
+        requested_max_tokens({name: 5000}, 2048, api=api)  # checked without the prompt, before tokenizing
+
+
+def test_max_completion_tokens_is_the_one_checked_when_both_are_given():
+    assert resolve_max_tokens({"max_completion_tokens": 10, "max_tokens": 5000}, 100, 2048) == 10
+    with pytest.raises(ContextLengthExceededError) as e:
+        resolve_max_tokens({"max_completion_tokens": 5000, "max_tokens": 10}, 100, 2048)
+    assert e.value.param == "max_completion_tokens"
 
 
 def test_completions_implicit_default_fits_the_room():
-    """The Completions API's default of 16 is not the client's request: it is lowered, not refused."""
+    """The Completions API's default of 16 is lowered to the room, like a 16 the client sent."""
     assert to_sampling_params({}, prompt_len=2040, max_model_len=2048, api="completion").max_tokens == 8
-    with pytest.raises(ContextLengthExceededError, match="max_tokens is too large: 16"):
-        to_sampling_params({"max_tokens": 16}, prompt_len=2040, max_model_len=2048, api="completion")
+    assert to_sampling_params({"max_tokens": 16}, prompt_len=2040, max_model_len=2048, api="completion"
+                              ).max_tokens == 8
+    # vLLM's CompletionRequest.max_tokens field default is 16, checked like a sent value: above a tiny
+    # max_model_len it is refused.
+    with pytest.raises(ContextLengthExceededError, match="max_tokens=16 cannot be greater than max_model_len=8"):
+        to_sampling_params({}, prompt_len=2, max_model_len=8, api="completion")
+    assert to_sampling_params({"max_tokens": None}, 2, 8, api="completion").max_tokens == 6
 
 
 def test_prompt_without_room_is_refused():
-    with pytest.raises(ContextLengthExceededError, match="maximum context length is 2048"):
+    with pytest.raises(ContextLengthExceededError, match="maximum context length is 2048 tokens") as e:
         to_sampling_params({}, prompt_len=2048, max_model_len=2048)
+    assert "leaves no room" in str(e.value) and e.value.param is None
+    with pytest.raises(ContextLengthExceededError) as e:  # vLLM's TokenizeParams._token_len_check wording
+        to_sampling_params({"max_tokens": 5}, prompt_len=2100, max_model_len=2048)
+    assert str(e.value) == ("This model's maximum context length is 2048 tokens. However, your prompt contains 2100 "
+                            "input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                            "the length of the input prompt.")
     with pytest.raises(ValueError, match="prompt_len"):
         resolve_max_tokens({}, 0, 2048)
 

@@ -3,10 +3,11 @@
 One server per module: ``python -m minillm.entrypoints.openai.api_server`` on a free loopback port, SmolLM2 with
 ``max_model_len=512``. Every generation is greedy and short. Checked: models, completions, chat ("Paris"),
 streaming (deltas joined == the non-streamed text), 16 concurrent streaming clients (each equal to its own
-non-streamed answer, and batched together), ``max_completion_tokens`` vs ``max_tokens`` vs the room left (a larger
-limit is refused with a 400, as vLLM does), usage counts, clients that hang up (request aborted, every KV block back,
-seen on ``GET /debug/kv_cache``), the 400 cases with OpenAI's error body, and that values which used to fail only
-inside an engine step (a huge seed, top_k or top_logprobs) are refused or handled without stopping the engine loop.
+non-streamed answer, and batched together), ``max_completion_tokens`` vs ``max_tokens`` vs the room left (as in vLLM
+v0.33.0: a limit above ``max_model_len`` is a 400, one above the room left is lowered to it), usage counts, clients
+that hang up (request aborted, every KV block back, seen on ``GET /debug/kv_cache``), the 400 cases with OpenAI's
+error body, and that values which used to fail only inside an engine step (a huge seed, top_k or top_logprobs) are
+refused or handled without stopping the engine loop.
 Last, hostile clients (issue 15): a 10 MB body is refused with a 413 while /health keeps answering, and a soak test
 mixes good, bad, dropped, cancelled and reset requests for MINILLM_SOAK_SECONDS (15) and then finds nothing left in
 the engine (more in ``test_serving_safely.py``).
@@ -242,28 +243,55 @@ def test_without_a_limit_a_chat_answer_may_fill_the_context(server, client):
     assert r.usage.total_tokens == MAX_MODEL_LEN
 
 
-def test_a_limit_larger_than_the_room_is_refused_not_lowered(server, client):
-    """vLLM's rule: a max_completion_tokens / max_tokens that does not fit next to the prompt is a 400 naming the
-    numbers; the engine never sees the request. Exactly the room is fine."""
-    messages = [{"role": "user", "content": QUESTION}]
-    chat_len = client.chat.completions.create(model=server.model, messages=messages, temperature=0,
-                                              max_completion_tokens=1).usage.prompt_tokens
-    prompt = "The capital of France is"
-    text_len = client.completions.create(model=server.model, prompt=prompt, temperature=0,
-                                         max_tokens=1).usage.prompt_tokens
+LIMITS = [("chat/completions", "max_completion_tokens"), ("chat/completions", "max_tokens"),
+          ("completions", "max_tokens")]
+
+
+def _body(route: str, name: str, value: int, text: str) -> dict:
+    body = {"temperature": 0, name: value}
+    if route == "completions":
+        return dict(body, prompt=text)
+    return dict(body, messages=[{"role": "user", "content": text}])
+
+
+@pytest.mark.parametrize("route,name", LIMITS, ids=[f"{r}-{n}" for r, n in LIMITS])
+def test_a_limit_larger_than_max_model_len_is_a_400(server, route, name):
+    """vLLM v0.33.0 (TokenizeParams.__post_init__): a limit above max_model_len can never be served, whatever the
+    prompt: a 400 with the JSON error body naming the field and both numbers; the engine never sees it."""
     before = kv_stats(server)["num_requests_total"]
-    for name, create, prompt_len in [
-            ("max_completion_tokens", lambda **kw: client.chat.completions.create(messages=messages, **kw), chat_len),
-            ("max_tokens", lambda **kw: client.chat.completions.create(messages=messages, **kw), chat_len),
-            ("max_tokens", lambda **kw: client.completions.create(prompt=prompt, **kw), text_len)]:
-        over = MAX_MODEL_LEN - prompt_len + 1
-        with pytest.raises(openai.BadRequestError) as e:
-            create(model=server.model, temperature=0, **{name: over})
-        assert e.value.status_code == 400 and e.value.code == "context_length_exceeded" and e.value.param == name
-        msg = e.value.body["message"]  # e.value.message has "Error code: 400 - " in front
-        assert msg.startswith(f"{name} is too large: {over}.") and f"{prompt_len} input tokens" in msg, msg
-        assert f"({over} > {MAX_MODEL_LEN} - {prompt_len})" in msg, msg
+    for over in (MAX_MODEL_LEN + 1, 5000):
+        r = server.http.post(f"/v1/{route}", json=_body(route, name, over, QUESTION))
+        assert r.status_code == 400, r.text
+        assert r.headers["content-type"] == "application/json"
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded", error
+        assert error["param"] == name, error
+        assert error["message"] == (f"{name}={over} cannot be greater than max_model_len={MAX_MODEL_LEN}. "
+                                    f"Please request fewer output tokens."), error
     assert kv_stats(server)["num_requests_total"] == before  # refused before reaching the engine
+
+
+@pytest.mark.parametrize("route,name", LIMITS, ids=[f"{r}-{n}" for r, n in LIMITS])
+def test_a_limit_that_fits_max_model_len_but_not_the_room_is_lowered(server, route, name):
+    """vLLM v0.33.0 (get_max_tokens): a limit that fits max_model_len but not the room the prompt leaves is lowered
+    to that room, silently: a 200 whose answer stops at the end of the context with finish_reason "length".
+    (Older vLLM releases, and minillm before, refused it with a 400.)"""
+    def ask(words: int, limit: int) -> dict:
+        body = dict(_body(route, name, limit, "hello " * words), ignore_eos=True)
+        r = server.http.post(f"/v1/{route}", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    probe = ask(400, 1)["usage"]["prompt_tokens"]
+    words = 400 + (MAX_MODEL_LEN - 4) - probe  # aim for 4 tokens of room ("hello" is one token after a space)
+    for limit in (100, MAX_MODEL_LEN):  # both fit max_model_len; both are more than the room
+        answer = ask(words, limit)
+        usage, choice = answer["usage"], answer["choices"][0]
+        room = MAX_MODEL_LEN - usage["prompt_tokens"]
+        assert 1 <= room <= 8 and room < limit, (room, usage)
+        assert usage["completion_tokens"] == room and choice["finish_reason"] == "length", answer
+        assert usage["total_tokens"] == MAX_MODEL_LEN
 
 
 def test_a_huge_top_k_is_served_like_no_top_k(server, client):
@@ -362,6 +390,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hello " * 600}, "prompt", "context_length_exceeded"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hello " * 600}]}, "messages",
      "context_length_exceeded"),
+    # A limit above max_model_len is checked first, before the prompt (vLLM builds TokenizeParams before rendering).
+    ("completions", {"prompt": "hello " * 600, "max_tokens": 600}, "max_tokens", "context_length_exceeded"),
 ]
 
 

@@ -41,8 +41,13 @@ minillm.entrypoints.openai.api_server``), then::
     client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", max_completion_tokens=16,
                                    messages=[{"role": "user", "content": "What is the capital of France?"}])
 
-vLLM counterpart: ``vllm/entrypoints/openai/api_server.py`` (``build_app``, ``run_server``, the route functions of
-the same names) and ``vllm/entrypoints/cli/serve.py``; vLLM adds CORS, tool calling, logprobs, ``n > 1``,
+vLLM counterpart: ``build_app`` in ``vllm/entrypoints/launchers/app.py``, ``run_server`` in
+``vllm/entrypoints/launchers/api_server/entry.py``, the route functions of the same names in
+``vllm/entrypoints/openai/chat_completion/api_router.py`` (``create_chat_completion``),
+``vllm/entrypoints/openai/completion/api_router.py`` (``create_completion``) and
+``vllm/entrypoints/openai/models/api_router.py`` (``show_available_models``), and ``vllm/entrypoints/cli/serve.py``
+(older releases defined the app and its routes in ``vllm/entrypoints/openai/api_server.py``, which v0.33.0
+keeps only as a deprecated re-export of the launchers); vLLM adds CORS, tool calling, logprobs, ``n > 1``,
 embeddings and many more routes, and ``/metrics`` for Prometheus.
 """
 from __future__ import annotations
@@ -116,7 +121,7 @@ async def run_unless_disconnected(request: Request, coro: Awaitable[Any]) -> tup
     """Await ``coro`` unless the client hangs up first; then cancel it (its ``finally`` aborts the request).
 
     Returns ``(True, result)`` or ``(False, None)`` when the client went away.
-    vLLM counterpart: ``with_cancellation`` in ``vllm/entrypoints/utils.py``.
+    vLLM counterpart: ``with_cancellation`` in ``vllm/entrypoints/serve/utils/api_utils.py``.
     """
     handler = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_listen_for_disconnect(request))

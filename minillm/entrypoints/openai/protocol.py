@@ -11,7 +11,11 @@ Every error goes back as OpenAI's error body::
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": "invalid_value"}}
 
-vLLM counterpart: ``vllm/entrypoints/openai/protocol.py`` (same class names). vLLM answers errors with
+vLLM counterpart (same class names): ``vllm/entrypoints/openai/chat_completion/protocol.py``
+(``ChatCompletionRequest``, ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``),
+``vllm/entrypoints/openai/completion/protocol.py`` (``CompletionRequest``, ``CompletionResponse``,
+``CompletionStreamResponse``) and ``vllm/entrypoints/serve/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``,
+``ModelCard``, ``ModelList``, ``UsageInfo``). vLLM answers errors with
 ``type="BadRequestError"`` and ``code=400``; here ``type`` and ``code`` follow OpenAI's own API, so code written
 against OpenAI's error handling (``openai.BadRequestError``, ``err.code == "context_length_exceeded"``) works.
 """
@@ -103,8 +107,8 @@ class _SamplingFields(OpenAIBaseModel):
 
 # ---------------------------------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: continue a text (or a list of token ids). ``max_tokens`` defaults to 16 (fewer if
-    the prompt leaves less room); a ``max_tokens`` the client sends must fit in the room, else 400."""
+    """``POST /v1/completions``: continue a text (or a list of token ids). ``max_tokens`` defaults to 16; any
+    ``max_tokens`` is lowered to the room the prompt leaves, and one above ``max_model_len`` is a 400."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -177,7 +181,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     ``max_completion_tokens`` is the current OpenAI name of the output limit; ``max_tokens`` its deprecated alias.
     When both are given the former wins; when neither is, the answer may fill the context (``max_model_len``). A
-    limit larger than the room the prompt leaves is refused (400), not lowered. ``top_logprobs``: ``0..20``.
+    limit larger than ``max_model_len`` is refused (400); one larger than the room the prompt leaves is lowered to
+    it. ``top_logprobs``: ``0..20``.
     """
 
     messages: list[ChatCompletionMessageParam] = Field(min_length=1)

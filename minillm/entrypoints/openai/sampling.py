@@ -2,18 +2,32 @@
 
 ``max_completion_tokens`` is the newer OpenAI name for "the most tokens the model may generate for this answer"
 in the Chat Completions API; ``max_tokens`` is its deprecated alias there (still the only name in the legacy
-Completions API). Only generated tokens count toward it, never the prompt (for reasoning models, reasoning tokens
-count too). When neither is given, the answer may fill the rest of the context: ``max_model_len - prompt_len``.
-A limit larger than that room is **refused** (HTTP 400), as vLLM's server does, rather than quietly lowered: the
-client asked for something the model cannot give, and should hear so. A prompt that leaves no room is refused too.
-The Completions API's implicit default of 16 is the one exception: a client that sent no ``max_tokens`` gets
-``min(16, room)`` (vLLM refuses that case as well, with an error about a value the client never sent).
+Completions API, where it defaults to 16). Only generated tokens count toward it, never the prompt (for reasoning
+models, reasoning tokens count too). The rule, as vLLM v0.33.0's server applies it:
+
+* a limit larger than ``max_model_len`` itself can never be served: **refused** (HTTP 400,
+  ``"max_tokens=5000 cannot be greater than max_model_len=2048. Please request fewer output tokens."``);
+* a limit that fits ``max_model_len`` but not the room the prompt leaves (``max_model_len - prompt_len``) is
+  **silently lowered** to that room: the answer then ends with ``finish_reason="length"`` after exactly the room's
+  tokens;
+* no limit at all (chat without either field, or an explicit ``"max_tokens": null``): the room;
+* a prompt longer than ``max_model_len`` is refused, and so is one that fills it exactly (no room for even one
+  output token; vLLM refuses that one as a ``max_tokens`` of 0).
+
+The Completions API's default of 16 counts as if the client had sent it (vLLM's ``CompletionRequest.max_tokens``
+field default): lowered to the room like any other value (and refused only if ``max_model_len`` itself is below 16).
+Older releases of vLLM refused the second case too (a 400 saying "'max_tokens' or 'max_completion_tokens' is too
+large"); v0.33.0 lowers it, and so does minillm.
 
 Chat's ``top_logprobs`` must be in ``[0, 20]`` (OpenAI's range; vLLM's default ``max_logprobs`` is 20 as well).
 
-vLLM counterpart: ``ChatCompletionRequest.to_sampling_params`` / ``CompletionRequest.to_sampling_params`` in the
-OpenAI protocol module, ``get_max_tokens`` in ``vllm/entrypoints/utils.py``, and the too-large check in
-``OpenAIServing._validate_input`` (``vllm/entrypoints/openai/serving_engine.py``).
+vLLM counterpart (v0.33.0): ``ChatCompletionRequest.to_sampling_params`` and ``build_tok_params`` in
+``vllm/entrypoints/openai/chat_completion/protocol.py`` (``CompletionRequest`` in
+``vllm/entrypoints/openai/completion/protocol.py`` likewise); the too-large 400 is ``TokenizeParams.__post_init__``
+and the too-long prompt ``TokenizeParams._token_len_check`` in ``vllm/renderers/params.py``; the lowering is
+``get_max_tokens`` in ``vllm/entrypoints/serve/utils/api_utils.py``, which also takes the model's
+generation-config default (its ``max_new_tokens``, when the client sent no limit) and a platform cap
+(``Platform.get_max_output_tokens`` in ``vllm/platforms/interface.py``, unlimited by default): minillm has neither.
 """
 from __future__ import annotations
 
@@ -32,11 +46,12 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS
 
 
 class ContextLengthExceededError(ValueError):
-    """The prompt plus the requested output do not fit in ``max_model_len`` (OpenAI's ``context_length_exceeded``).
+    """The request cannot fit in ``max_model_len`` (OpenAI's ``context_length_exceeded``): a limit above
+    ``max_model_len`` itself, or a prompt that leaves no room for a single output token.
 
     Attributes:
         param: the request field to blame (``"max_completion_tokens"``, ``"max_tokens"``), or ``None`` when the
-            prompt alone is too long.
+            prompt is too long.
     """
 
     def __init__(self, message: str, param: str | None = None) -> None:
@@ -52,26 +67,19 @@ def check_top_logprobs(value: Any) -> None:
         raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
 
 
-def resolve_max_tokens(body: Mapping[str, Any], prompt_len: int, max_model_len: int, api: str = "chat") -> int:
-    """How many tokens this request may generate.
+def requested_max_tokens(body: Mapping[str, Any], max_model_len: int, api: str = "chat") -> tuple[int | None, str]:
+    """The output limit the request asks for and the field it came from, before the prompt is known.
 
-    Chat: ``max_completion_tokens`` if given, else ``max_tokens``, else the room left, ``max_model_len -
-    prompt_len``. Completions: ``max_tokens`` if given, else ``min(16, room)``. A given limit must fit in the room.
+    Chat: ``max_completion_tokens`` if given, else ``max_tokens``; Completions: ``max_tokens``, 16 when the body
+    does not have the field. ``None`` means no limit. This is the check vLLM makes before it renders the prompt
+    (``TokenizeParams.__post_init__``): a limit above ``max_model_len`` can never be served, whatever the prompt.
 
     Raises:
-        ContextLengthExceededError: the prompt leaves no room, or a given limit is larger than the room (vLLM's
-            "'max_tokens' or 'max_completion_tokens' is too large" 400).
+        ContextLengthExceededError: the limit is larger than ``max_model_len``.
         ValueError: a limit is not a positive integer, or ``max_completion_tokens`` is sent to the Completions API.
     """
     if api not in ("chat", "completion"):
         raise ValueError(f"api must be 'chat' or 'completion', got {api!r}")
-    if prompt_len < 1:
-        raise ValueError(f"prompt_len must be at least 1, got {prompt_len}")
-    room = max_model_len - prompt_len
-    if room < 1:
-        raise ContextLengthExceededError(
-            f"This model's maximum context length is {max_model_len} tokens, and the prompt has {prompt_len} "
-            f"tokens, which leaves no room for a completion. Shorten the prompt.")
     if api == "chat":
         if body.get("max_completion_tokens") is not None:
             requested, name = body["max_completion_tokens"], "max_completion_tokens"
@@ -80,19 +88,59 @@ def resolve_max_tokens(body: Mapping[str, Any], prompt_len: int, max_model_len: 
     else:
         if body.get("max_completion_tokens") is not None:
             raise ValueError("max_completion_tokens is a Chat Completions field; the Completions API uses max_tokens")
-        if "max_tokens" not in body:  # the API's default, not the client's choice: fit it to the room
-            return min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-        requested, name = body["max_tokens"], "max_tokens"
+        requested, name = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS), "max_tokens"
     if requested is None:
-        return room
+        return None, name
     if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
         raise ValueError(f"{name} must be a positive integer, got {requested!r}")
-    if requested > room:
+    if requested > max_model_len:
         raise ContextLengthExceededError(
-            f"{name} is too large: {requested}. This model's maximum context length is {max_model_len} tokens and "
-            f"the request has {prompt_len} input tokens, so at most {room} tokens can be generated "
-            f"({requested} > {max_model_len} - {prompt_len}).", param=name)
-    return requested
+            f"{name}={requested} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens.", param=name)
+    return requested, name
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int) -> None:
+    """Refuse a prompt that leaves no room for one output token.
+
+    Longer than ``max_model_len``: vLLM's ``TokenizeParams._token_len_check`` message. Exactly ``max_model_len``:
+    vLLM refuses it as well, because the room, 0, becomes ``max_tokens=0`` (``SamplingParams``: "max_tokens must be
+    at least 1"); the message here says why.
+
+    Raises:
+        ContextLengthExceededError: the prompt has ``max_model_len`` tokens or more.
+        ValueError: ``prompt_len`` is below 1.
+    """
+    if prompt_len < 1:
+        raise ValueError(f"prompt_len must be at least 1, got {prompt_len}")
+    if prompt_len > max_model_len:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{prompt_len} input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+            f"length of the input prompt.")
+    if prompt_len == max_model_len:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{prompt_len} input tokens, which leaves no room for an output token. Please reduce the length of the "
+            f"input prompt.")
+
+
+def resolve_max_tokens(body: Mapping[str, Any], prompt_len: int, max_model_len: int, api: str = "chat") -> int:
+    """How many tokens this request may generate: the requested limit (:func:`requested_max_tokens`), lowered to
+    the room the prompt leaves, ``max_model_len - prompt_len``; the room itself when no limit is given.
+
+    vLLM's ``get_max_tokens`` (``min`` of the room and the limit); the lowering is silent: the answer ends with
+    ``finish_reason="length"``.
+
+    Raises:
+        ContextLengthExceededError: the limit is larger than ``max_model_len``, or the prompt leaves no room
+            (:func:`check_prompt_fits`).
+        ValueError: a limit is not a positive integer, or ``max_completion_tokens`` is sent to the Completions API.
+    """
+    requested, _ = requested_max_tokens(body, max_model_len, api)
+    check_prompt_fits(prompt_len, max_model_len)
+    room = max_model_len - prompt_len
+    return room if requested is None else min(requested, room)
 
 
 def to_sampling_params(body: Mapping[str, Any], prompt_len: int, max_model_len: int, api: str = "chat"
@@ -102,8 +150,8 @@ def to_sampling_params(body: Mapping[str, Any], prompt_len: int, max_model_len: 
     Besides the length rule (:func:`resolve_max_tokens`): ``logprobs`` is a bool plus ``top_logprobs`` in chat
     and an int in completions; ``top_logprobs`` must be in ``[0, 20]``; ``n`` must be 1 (one answer per request
     here). Other fields (``model``, ``messages``, ``stream``, ...) are ignored. Invalid values raise
-    :class:`ValueError` (from SamplingParams for its own fields); a limit that does not fit raises
-    :class:`ContextLengthExceededError`.
+    :class:`ValueError` (from SamplingParams for its own fields); a limit above ``max_model_len``, or a prompt that
+    leaves no room, raises :class:`ContextLengthExceededError`.
     """
     n = body.get("n", 1)
     if n not in (1, None):

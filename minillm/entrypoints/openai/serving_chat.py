@@ -3,15 +3,18 @@
 The messages are rendered with the model's own chat template (read from the GGUF file), ending with the
 assistant's header, and the token ids go to the engine. The output limit is ``max_completion_tokens`` if given,
 else the deprecated ``max_tokens``, else whatever room the context has left (``max_model_len - prompt_len``):
-only generated tokens count, never the prompt (learner question Q5). A limit larger than that room is refused with
-a 400 (``context_length_exceeded``), as vLLM does.
+only generated tokens count, never the prompt (learner question Q5). A limit larger than ``max_model_len`` is
+refused with a 400 (``context_length_exceeded``); one that fits ``max_model_len`` but not the room the prompt leaves
+is lowered to that room, and the answer ends with ``finish_reason="length"``, as in vLLM v0.33.0 (older releases
+refused it).
 
 A streamed answer is: a first chunk with ``delta = {"role": "assistant", "content": ""}``, one chunk per step that
 produced text (``delta = {"content": "..."}``), a last chunk with ``finish_reason``, optionally a usage chunk
 (``stream_options = {"include_usage": true}``), then ``data: [DONE]``.
 
-vLLM counterpart: ``vllm/entrypoints/openai/serving_chat.py`` (``OpenAIServingChat.create_chat_completion``,
-``chat_completion_stream_generator``, ``chat_completion_full_generator``).
+vLLM counterpart: ``vllm/entrypoints/openai/chat_completion/serving.py`` (``OpenAIServingChat.create_chat_completion``,
+``chat_completion_stream_generator``, ``chat_completion_full_generator``); the request and response bodies are in
+``vllm/entrypoints/openai/chat_completion/protocol.py``.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIRequestError(str(e), param="top_logprobs") from e
         reject_unsupported(request, {"logprobs": False, "top_logprobs": None, "logit_bias": {}, "tools": [],
                                      "response_format": {"type": "text"}})
+        self.check_output_limit(request, api="chat")
         ids = await self.run_in_tokenizer_thread(self.prompt_token_ids, request)
         self.check_prompt_len(len(ids), "messages")
         params = self.to_sampling_params(request, len(ids), api="chat")

@@ -1,12 +1,14 @@
 """``POST /v1/completions``: continue a text, all at once or streamed as server-sent events.
 
-The flow of one request: check the body -> tokenize the prompt -> check it leaves room -> build
-``SamplingParams`` (``max_tokens`` defaults to 16 in this API) -> hand it to the engine loop -> either wait for the
+The flow of one request: check the body (a ``max_tokens`` above ``max_model_len`` is a 400) -> tokenize the
+prompt -> check it leaves room -> build ``SamplingParams`` (``max_tokens`` defaults to 16 in this API, and is lowered
+to the room the prompt leaves when it is larger) -> hand it to the engine loop -> either wait for the
 final output (one JSON answer) or turn each step's ``delta_text`` into a chunk (``data: {...}``), ending with
 ``data: [DONE]``.
 
-vLLM counterpart: ``vllm/entrypoints/openai/serving_completion.py`` (``OpenAIServingCompletion.create_completion``,
-``completion_stream_generator``, ``request_output_to_completion_response``).
+vLLM counterpart: ``vllm/entrypoints/openai/completion/serving.py`` (``OpenAIServingCompletion.create_completion``,
+``completion_stream_generator``, ``request_output_to_completion_response``); the request and response bodies are in
+``vllm/entrypoints/openai/completion/protocol.py``.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request)
         reject_unsupported(request, {"echo": False, "best_of": 1, "suffix": "", "logit_bias": {},
                                      "logprobs": None})
+        self.check_output_limit(request, api="completion")
         ids = await self.run_in_tokenizer_thread(self.prompt_token_ids, request)
         self.check_prompt_len(len(ids), "prompt")
         params = self.to_sampling_params(request, len(ids), api="completion")

@@ -7,15 +7,21 @@ body by :meth:`OpenAIServing.create_error_response` (HTTP 400 unless said otherw
 * a field of the wrong type (``"temperature": "hot"``) -> ``code="invalid_type"``, ``param`` = the field;
 * a value out of range (``temperature=-1``, ``top_p=1.5``, ``n=2``) -> ``code="invalid_value"``, the message is
   :class:`~minillm.sampling_params.SamplingParams`' own;
-* a prompt with no room left for an answer, or a ``max_tokens`` / ``max_completion_tokens`` larger than the room the
-  prompt leaves (vLLM refuses it too, it does not lower it) -> ``code="context_length_exceeded"`` (OpenAI's code for
-  it), ``param`` = the prompt's field or the limit's;
+* a ``max_tokens`` / ``max_completion_tokens`` larger than ``max_model_len`` itself (checked before the prompt is
+  tokenized, as vLLM does), or a prompt that leaves no room for one output token -> ``code="context_length_exceeded"``
+  (OpenAI's code for it), ``param`` = the limit's field or the prompt's. A limit that fits ``max_model_len`` but not
+  the room the prompt leaves is *not* refused: it is lowered to that room (vLLM v0.33.0 does the same; older releases
+  refused it);
 * ``top_logprobs`` outside ``[0, 20]``, ``seed`` outside what a ``torch.Generator`` takes, ``logprobs`` above
   ``max_logprobs`` -> ``code="invalid_value"``, refused here so that no bad value reaches the shared engine loop;
 * a ``model`` other than the one served -> 404, ``code="model_not_found"``.
 
-vLLM counterpart: ``vllm/entrypoints/openai/serving_engine.py`` (``OpenAIServing``, ``create_error_response``,
-``_check_model``, ``_validate_input``).
+vLLM counterpart: ``vllm/entrypoints/serve/engine/serving.py`` (``BaseServing``: ``_check_model``,
+``create_error_response``), which turns an exception into the error body with ``create_error_response`` in
+``vllm/entrypoints/serve/exception_handling/error_response.py``; ``ErrorResponse`` is in
+``vllm/entrypoints/serve/engine/protocol.py``. The length checks are in ``vllm/renderers/params.py``
+(``TokenizeParams``) and ``get_max_tokens`` in ``vllm/entrypoints/serve/utils/api_utils.py``; older releases had
+them in one ``OpenAIServing._validate_input``.
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from minillm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel, UsageInfo
-from minillm.entrypoints.openai.sampling import ContextLengthExceededError, to_sampling_params
+from minillm.entrypoints.openai.sampling import (ContextLengthExceededError, check_prompt_fits,
+                                                 requested_max_tokens, to_sampling_params)
 from minillm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -156,7 +163,8 @@ class OpenAIServing:
         self.tokenizer = engine_client.tokenizer
         self.max_model_len: int = engine_client.max_model_len
         # One thread: a tokenizer is not safe to share between threads, and one request's tokens are made at a
-        # time anyway (as in vLLM's OpenAIServing._tokenizer_executor).
+        # time anyway. vLLM v0.33.0 tokenizes in its renderer's pool, ``BaseRenderer._executor`` in
+        # ``vllm/renderers/base.py``, one thread by default (``renderer_num_workers``).
         self.tokenizer_executor = tokenizer_executor or ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenizer")
 
     async def run_in_tokenizer_thread(self, fn: Callable[..., R], *args: Any) -> R:
@@ -178,14 +186,23 @@ class OpenAIServing:
                                      f"`{self.served_model_name}`.", param="model", code="model_not_found",
                                      status_code=HTTPStatus.NOT_FOUND)
 
+    def check_output_limit(self, request: OpenAIBaseModel, api: str) -> None:
+        """Refuse a ``max_tokens`` / ``max_completion_tokens`` above ``max_model_len`` before the prompt is
+        tokenized (vLLM checks it when it builds ``TokenizeParams``, before rendering the prompt)."""
+        try:
+            requested_max_tokens(request.model_dump(exclude_unset=True), self.max_model_len, api)
+        except ContextLengthExceededError as e:
+            raise OpenAIRequestError(str(e), param=e.param, code="context_length_exceeded") from e
+        except ValueError as e:
+            raise OpenAIRequestError(str(e), param=param_of(str(e))) from e
+
     def check_prompt_len(self, prompt_len: int, param: str) -> None:
         if prompt_len == 0:
             raise OpenAIRequestError("The prompt is empty; give at least one token", param=param)
-        if prompt_len >= self.max_model_len:
-            raise OpenAIRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
-                f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length of the "
-                f"prompt.", param=param, code="context_length_exceeded")
+        try:
+            check_prompt_fits(prompt_len, self.max_model_len)
+        except ContextLengthExceededError as e:
+            raise OpenAIRequestError(str(e), param=param, code="context_length_exceeded") from e
 
     def to_sampling_params(self, request: OpenAIBaseModel, prompt_len: int, api: str) -> SamplingParams:
         """The request's :class:`SamplingParams` (``max_tokens`` resolved); ValueErrors become 400s."""

@@ -7,7 +7,8 @@ The answer to "what is the shape of ``sampled_token_ids``?" lives here:
 * with draft tokens: ``int32 [num_reqs, max_num_draft + 1]``; row ``i`` holds the accepted draft tokens, then one
   token from the target model (a correction or the bonus token), then ``PLACEHOLDER_TOKEN_ID`` (-1) up to the end.
 
-vLLM counterpart: ``vllm/v1/outputs.py`` (``SamplerOutput``, ``LogprobsTensors``, ``PLACEHOLDER_TOKEN_ID``).
+vLLM counterpart: ``vllm/v1/outputs.py`` (``SamplerOutput``, ``LogprobsTensors``); ``PLACEHOLDER_TOKEN_ID`` is
+defined in ``vllm/v1/sample/rejection_sampler.py``, and the comment on the padding in ``outputs.py`` names it.
 """
 from __future__ import annotations
 

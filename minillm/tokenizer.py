@@ -1,6 +1,8 @@
 """The tokenizer and chat template, read from the same file as the weights (via transformers).
 
-vLLM counterpart: ``vllm/transformers_utils/tokenizer.py`` (``get_tokenizer``), which also wraps transformers.
+vLLM counterpart: ``vllm/tokenizers/registry.py:get_tokenizer``, which also wraps transformers (a Hugging Face
+tokenizer is loaded by ``vllm/tokenizers/hf.py:CachedHfTokenizer``); older releases had ``get_tokenizer`` in
+``vllm/transformers_utils/tokenizer.py``.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """The contract between a model layer and the place its K/V history lives.
 
-vLLM counterpart: ``vllm/attention/backends/abstract.py`` (``AttentionImpl.forward`` receives the layer's query,
-key, value, its slice of the KV cache and the step's ``attn_metadata``). Here the implementation object carries its
-cache and metadata itself, so a learner can swap a contiguous cache, a paged cache or a Triton kernel in one argument.
+vLLM counterpart: ``vllm/v1/attention/backend.py`` (``AttentionImpl.forward`` receives the layer, its query, key
+and value, its KV cache tensor and the step's ``attn_metadata``; ``AttentionBackend`` names the implementation and
+its metadata builder). Older releases kept these classes in ``vllm/attention/backends/abstract.py``. Here the
+implementation object carries its cache and metadata itself, so a learner can swap a contiguous cache, a paged cache
+or a Triton kernel in one argument.
 """
 from __future__ import annotations
 

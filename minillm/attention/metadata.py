@@ -10,7 +10,9 @@ num_kv_heads, head_dim]``; token ``t`` of a request lives in block ``block_table
 ``t % block_size``, i.e. at slot ``block_id * block_size + offset``. ``slot_mapping[k]`` is the slot where the new
 token ``k`` of this batch is written (``-1``: padding, skipped).
 
-vLLM counterpart: ``vllm/v1/attention/backends/`` (``CommonAttentionMetadata``, ``FlashAttentionMetadata``).
+vLLM counterpart: ``vllm/v1/attention/backend.py:CommonAttentionMetadata`` (the backend-independent fields:
+``query_start_loc``, ``seq_lens``, ``block_table_tensor``, ``slot_mapping``), which each backend's metadata builder
+turns into its own, e.g. ``vllm/v1/attention/backends/flash_attn.py:FlashAttentionMetadata``.
 """
 from __future__ import annotations
 

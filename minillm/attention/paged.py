@@ -13,7 +13,8 @@ paged cache with either backend.
 
 vLLM counterparts: ``vllm/v1/worker/block_table.py`` (``BlockTable``, ``compute_slot_mapping``),
 ``vllm/_custom_ops.py`` (``reshape_and_cache_flash``), ``vllm/v1/attention/backends/triton_attn.py``
-(``TritonAttentionImpl``), ``vllm/attention/ops/triton_unified_attention.py`` (``unified_attention``).
+(``TritonAttentionImpl``), ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``; older
+releases had it under ``vllm/attention/ops/``).
 """
 from __future__ import annotations
 

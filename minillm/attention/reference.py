@@ -8,9 +8,10 @@ Attention over "prefix plus chunk" can also be computed in two independent parts
 and causal attention over the chunk, joined exactly by :func:`merge_attn_states` from each part's output and
 log-sum-exp (:func:`prefix_chunk_attention`). That identity is what lets kernels stream over the KV cache in tiles.
 
-vLLM counterparts: the chunked-prefill attention ops (``vllm/attention/ops/triton_unified_attention.py``,
-``prefix_prefill.py``; ``vllm/v1/attention/ops/`` in recent releases) and ``merge_attn_states``
-(``vllm/attention/ops/merge_attn_states.py``, ``triton_merge_attn_states.py``).
+vLLM counterparts: the chunked-prefill attention ops (``vllm/v1/attention/ops/triton_unified_attention.py``
+(``unified_attention``), ``prefix_prefill.py`` (``context_attention_fwd``)) and ``merge_attn_states``
+(``vllm/v1/attention/ops/merge_attn_states.py``, ``triton_merge_attn_states.py``); older releases kept these ops
+under ``vllm/attention/ops/``.
 """
 from __future__ import annotations
 

@@ -22,9 +22,12 @@ same semantics but groups the work, planned **once per step** (not once per laye
 
 Prefills use SDPA's ``enable_gqa`` for grouped-query attention.
 
-vLLM counterpart: ``vllm/v1/attention/backends/cpu_attn.py`` (``TorchSDPABackend``, the CPU backend, which also
-splits prefills from decodes and runs SDPA on the prefills); vLLM's CPU decodes use a C++ paged-attention kernel
-that reads the blocks in place instead of gathering them.
+vLLM counterpart: ``vllm/v1/attention/backends/cpu_attn.py`` (``CPUAttentionBackend``, registered as ``CPU_ATTN``;
+``CPUAttentionBackendImpl.forward``). vLLM v0.33.0 does not split prefills from decodes on a CPU: one C++ kernel
+(``cpu_attention_with_kv_cache``) attends the whole varlen batch, prefill chunks and decodes alike, reading the
+paged blocks in place instead of gathering them (``TORCH_SDPA`` in ``vllm/v1/attention/backends/registry.py`` is
+only used for ViT encoders). Older releases had a ``TorchSDPABackend`` there that split the batch as this file does:
+SDPA for the prefills, a C++ paged-attention kernel for the decodes.
 """
 from __future__ import annotations
 

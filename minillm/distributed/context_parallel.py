@@ -14,8 +14,10 @@ process per rank, ``MASTER_ADDR``/``MASTER_PORT`` set for you) the same code run
     out = context_parallel_forward(model, ids, split, dist.group.WORLD, strategy="ring")
 
 vLLM counterparts: ``prefill_context_parallel_size`` in ``ParallelConfig`` (``vllm/config/parallel.py``), the group
-``get_pcp_group()`` (``vllm/distributed/parallel_state.py``), token partitioning in ``vllm/v1/worker/cp_utils.py``,
-and the attention backends that support it (``supports_pcp``). Ring attention: Liu et al., "Ring Attention with
+``get_pcp_group()`` (``vllm/distributed/parallel_state.py``), token partitioning in
+``vllm/v1/worker/gpu/pcp_manager.py`` (``PCPManager.partition_batch``; older releases did it in
+``vllm/v1/worker/cp_utils.py``), and the attention backends that support it (``AttentionBackend.supports_pcp`` in
+``vllm/v1/attention/backend.py``). Ring attention: Liu et al., "Ring Attention with
 Blockwise Transformers for Near-Infinite Context" (2023).
 """
 from __future__ import annotations

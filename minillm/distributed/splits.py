@@ -8,9 +8,12 @@ A split cuts positions ``0 ... num_tokens-1`` into contiguous *pieces* and gives
 
 Every rank can rebuild the whole split from ``(num_tokens, world_size, kind)``, so no positions ever need to be sent.
 
-vLLM counterpart: ``PCPManager.partition_inputs`` in ``vllm/v1/worker/cp_utils.py`` (prefill context parallel,
-"DualChunkSwap": pad to a multiple of ``2 * pcp_world_size``, a head chunk at ``rank`` and a tail chunk at
-``2 * pcp_world_size - rank - 1``). vLLM pads; here the pieces differ by at most one token instead.
+vLLM counterpart: ``vllm/v1/worker/gpu/pcp_manager.py:PCPManager.partition_batch`` (Model Runner V2, prefill
+context parallel, "DualChunkSwap": ``PCPManager._iter_rank_chunks`` cuts each prefill into ``2 * pcp_world_size``
+chunks of ``ceil(query_len / (2 * pcp_world_size))`` tokens and gives rank ``r`` chunks ``r`` and
+``2 * pcp_world_size - 1 - r``; decodes are not split). It does not pad the prompt: its last chunks are shorter (or
+empty), and ``hidden_restore_idx`` puts the gathered hidden states back in token order. Here the pieces differ by at
+most one token instead. Older releases did this in ``vllm/v1/worker/cp_utils.py``.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ Continuous batching falls out of it: requests join (``add_request``) and leave (
 any two steps, and every step runs whatever mix of prefill chunks and decodes the scheduler chose, in one pass.
 
 vLLM counterpart: ``vllm/v1/engine/llm_engine.py`` (``LLMEngine``) driving ``vllm/v1/engine/core.py``
-(``EngineCore.step``), with the input checks of ``vllm/v1/engine/processor.py`` (``Processor``). vLLM runs the
+(``EngineCore.step``), with the input checks of ``vllm/v1/engine/input_processor.py`` (``InputProcessor``; older
+releases called it ``Processor``, in ``processor.py``). vLLM runs the
 engine core in another process (``EngineCoreClient``) so detokenization overlaps the model; here it is one loop.
 """
 from __future__ import annotations

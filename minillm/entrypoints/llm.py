@@ -13,9 +13,10 @@
 finished: continuous batching, chunked prefill, prefix caching and preemption all happen inside, configured by the
 engine arguments given to ``LLM(...)``.
 
-vLLM counterpart: ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LLM.chat``, ``LLM._run_engine`` with its tqdm
-bar). ``generate_stream`` is not in vLLM's ``LLM`` (vLLM streams through ``AsyncLLM.generate``); it is here so a
-notebook can watch the text grow without a server.
+vLLM counterpart: ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LLM.chat``); ``LLM`` inherits ``_run_engine``
+with its tqdm bar from ``vllm/entrypoints/common/offline.py:OfflineInferenceMixin._run_engine``.
+``generate_stream`` is not in vLLM's ``LLM`` (vLLM streams through ``AsyncLLM.generate``); it is here so a notebook
+can watch the text grow without a server.
 """
 from __future__ import annotations
 

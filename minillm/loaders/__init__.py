@@ -1,6 +1,7 @@
 """Loading weights into :class:`~minillm.model.llama.LlamaForCausalLM`: from a GGUF file or a Hugging Face directory.
 
-vLLM counterpart: ``vllm/model_executor/model_loader/`` (``gguf_loader.py``, ``default_loader.py``).
+vLLM counterpart: ``vllm/model_executor/model_loader/`` (``default_loader.py``: ``DefaultModelLoader`` for Hugging
+Face checkpoints). v0.33.0 has no GGUF model loader; older releases had one in that folder (``gguf_loader.py``).
 """
 from minillm.loaders.gguf_loader import load_gguf_model, read_gguf_config, unpermute_qk
 from minillm.loaders.hf_loader import load_hf_model

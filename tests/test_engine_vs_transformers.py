@@ -140,7 +140,7 @@ def test_triton_backend_equals_transformers(smollm, prompts, reference):
     check_all(outputs, reference, [i], "triton backend")
 
 
-@pytest.mark.slow  # 6 s: 24 tokens through transformers and through the engine
+@pytest.mark.slow  # 3-6 s (load-dependent): 24 tokens through transformers and through the engine
 def test_min_tokens_with_ignore_eos_equals_transformers_min_new_tokens(smollm, hf_oracle):
     """``min_tokens=24, ignore_eos=True`` never samples EOS in the first 24 tokens, as transformers'
     ``generate(min_new_tokens=24)`` does not: vLLM v0.33.0 adds EOS to ``_all_stop_token_ids`` whatever

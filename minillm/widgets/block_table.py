@@ -170,7 +170,8 @@ class BlockTableWidget:
         return f"{request_id}: {req.num_tokens} tokens in {len(self.manager.get_block_ids(request_id))} blocks"
 
     def free(self, request_id: str) -> str:
-        """Finish ``request_id``: its blocks go back to the free queue, tail first, keeping their hashes."""
+        """Finish ``request_id``: its blocks go back to the free queue, tail first, hashed ones (still findable) to
+        the back, unhashed ones to the front (:meth:`BlockPool.free_blocks`)."""
         if request_id not in self.requests:
             raise ValueError(f"no running request {request_id!r}; running: {sorted(self.requests)}")
         self.manager.free(self.requests.pop(request_id))

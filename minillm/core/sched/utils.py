@@ -15,15 +15,18 @@ from minillm.request import RequestStatus
 def check_stop(request: Any, max_model_len: int) -> bool:
     """Decide whether ``request`` is finished after its newest output token; if so, record why.
 
-    Checked in vLLM's order, on ``request.output_token_ids[-1]``:
+    Checked on ``request.output_token_ids[-1]``, in the order of older vLLM releases (the ``min_tokens`` guard first):
 
     1. fewer than ``min_tokens`` outputs: never stop on EOS / stop ids (the sampler also masks those logits);
     2. the EOS token (``request.eos_token_id``), unless ``ignore_eos``: ``FINISHED_STOPPED``;
     3. a token in ``stop_token_ids``: ``FINISHED_STOPPED`` with ``request.stop_reason`` = that id;
     4. ``num_output_tokens >= max_tokens`` or ``num_tokens >= max_model_len``: ``FINISHED_LENGTH_CAPPED``.
 
-    One deliberate difference from vLLM: ``max_model_len`` ends a request even before ``min_tokens`` (vLLM relies
-    on other checks for that); a request can never grow past what the model can attend to.
+    vLLM v0.33.0 (``vllm/v1/core/sched/utils.py:check_stop``) checks 2, 3 and 4 first and the ``min_tokens`` guard
+    after them, where it only holds off its repetition detection. The outcome is the same: during ``min_tokens`` the
+    sampler masks EOS and the stop ids (EOS even with ``ignore_eos``), and ``max_tokens >= min_tokens`` is validated.
+    ``max_model_len`` ends a request even before ``min_tokens`` here too: a request can never grow past what the
+    model can attend to.
 
     Args:
         request: a :class:`~minillm.request.Request` with at least one output token. Its ``sampling_params`` is a

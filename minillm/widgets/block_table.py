@@ -11,10 +11,7 @@ from collections.abc import Sequence
 
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.request import Request
-from minillm.widgets.figure_view import FigureView, render_png
-
-_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974",
-           "#64B5CD"]
+from minillm.widgets.figure_view import COLORS as _COLORS, FigureView, render_png
 
 
 def _short(h: bytes | None) -> str:

@@ -14,6 +14,9 @@ import io
 import threading
 from collections.abc import Callable
 
+# One colour per request, in order of first appearance, shared by every widget's drawing.
+COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD"]
+
 # Matplotlib is not thread-safe (its font cache is shared); two widgets clicked at once must not draw together.
 _RENDER_LOCK = threading.Lock()
 

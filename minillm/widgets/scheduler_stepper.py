@@ -20,11 +20,9 @@ from minillm.core.sched.output import SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
-from minillm.widgets.figure_view import FigureView, render_png
+from minillm.widgets.figure_view import COLORS as _COLORS, FigureView, render_png
 
 _STEPPER_FIGSIZE = (10, 5.2)
-_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974",
-           "#64B5CD"]
 
 
 @dataclass

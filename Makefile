@@ -50,7 +50,7 @@ test-portable: setup
 
 # Every lesson run top to bottom in JupyterLab in Chromium (Run All), as after `make lab`; plus the widget clicks.
 test-browser: setup
-	MINILLM_BROWSER_ALL=1 $(PY) -m pytest -p no:xdist tests/test_browser.py
+	$(PY) -m pytest -p no:xdist tests/test_browser.py tests/browser_run_all.py
 
 exercises: setup
 	$(PY) -m minillm.exercises build

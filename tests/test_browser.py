@@ -19,7 +19,6 @@ import base64
 import io
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -272,26 +271,3 @@ def test_exercise_stub_shows_its_message(page, lab):
     err.wait_for(timeout=CELL_TIMEOUT_MS)
     assert "Exercise 0.1" in err.inner_text()
 
-
-RUN_ALL = os.environ.get("MINILLM_BROWSER_ALL") == "1"
-LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
-
-
-@pytest.mark.skipif(not RUN_ALL, reason="every lesson in the browser takes ~10 min: make test-browser runs it")
-@pytest.mark.parametrize("name", LESSONS)
-def test_run_all_in_jupyterlab(page, lab, name):
-    """Run All, as a learner does after `make lab`: every code cell gets an execution count and none shows an
-    error."""
-    _open(page, lab, f"notebooks/{name}")
-    _menu(page, "Run", "Run All Cells")
-    # [prompt text, source] of every code cell; an empty cell never gets an execution count.
-    state = """() => [...document.querySelectorAll('.jp-CodeCell')].map(c => [
-        c.querySelector('.jp-InputPrompt').textContent.trim(), c.querySelector('.jp-InputArea-editor').textContent])"""
-    page.wait_for_function(
-        f"""() => ({state})().every(([p, src]) => /^\\[\\d+\\]:$/.test(p) || !src.trim())
-                 || [...document.querySelectorAll('.jp-OutputArea-output')].some(o => o.textContent.includes('Traceback'))""",
-        timeout=600_000, polling=1000)
-    errors = page.locator(".jp-OutputArea-output", has_text="Traceback")
-    assert errors.count() == 0, f"{name}: {errors.first.inner_text()[:2000]}"
-    not_run = [i for i, (p, src) in enumerate(page.evaluate(state)) if src.strip() and not re.fullmatch(r"\[\d+\]:", p)]
-    assert not not_run, f"{name}: code cells {not_run} did not run"

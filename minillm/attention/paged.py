@@ -18,7 +18,7 @@ releases had it under ``vllm/attention/ops/``).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -156,8 +156,10 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: Seq
 
 def paged_attention_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                          scale: float | None = None) -> torch.Tensor:
-    """Varlen attention over a paged cache, request by request: gather its K/V, then :func:`reference_attention`.
+                          scale: float | None = None, attend: Callable[..., torch.Tensor] | None = None
+                          ) -> torch.Tensor:
+    """Varlen attention over a paged cache, request by request: gather its K/V, then :func:`reference_attention`
+    (or ``attend``).
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``, the new tokens of all requests, concatenated.
@@ -166,11 +168,15 @@ def paged_attention_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         seq_lens: ``[num_reqs]``, history length of each request (cached context + its new tokens).
         block_table: ``[num_reqs, max_num_blocks]`` block ids.
         scale: softmax scale, default ``1/sqrt(head_dim)``.
+        attend: a function ``(q, k, v, ctx_len) -> out`` to use instead of :func:`reference_attention` (exercise
+            1.2's signature, with the default scale; ``EngineParts.attention``). ``scale`` must be ``None`` then.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
     _check_cache(key_cache, value_cache)
+    if attend is not None and scale is not None:
+        raise ValueError("attend uses the default scale 1/sqrt(head_dim); pass scale=None with it")
     qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
     if len(qsl) != len(sl) + 1 or block_table.shape[0] != len(sl):
         raise ValueError(f"query_start_loc ({len(qsl)}), seq_lens ({len(sl)}) and block_table ({block_table.shape[0]}"
@@ -181,7 +187,10 @@ def paged_attention_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         if b - a > seq_len:
             raise ValueError(f"request {i}: {b - a} new tokens but seq_len {seq_len}")
         k, v = gather_kv(key_cache, value_cache, block_table[i], seq_len)
-        out[a:b] = reference_attention(q[a:b], k, v, ctx_len=seq_len - (b - a), scale=scale)
+        if attend is None:
+            out[a:b] = reference_attention(q[a:b], k, v, ctx_len=seq_len - (b - a), scale=scale)
+        else:
+            out[a:b] = attend(q[a:b], k, v, seq_len - (b - a))
     return out
 
 
@@ -194,11 +203,16 @@ class PagedAttention:
         metadata: this step's :class:`AttentionMetadata`; replace ``self.metadata`` before each step.
         backend: ``"torch"`` (the PyTorch reference in this module) or ``"triton"`` (the chapter-3 kernels in
             ``kernels``: ``reshape_and_cache`` and ``unified_attention``).
+        attend: with ``backend="torch"``, the per-request attention function (see :func:`paged_attention_torch`).
     """
 
-    def __init__(self, kv_caches: list[KVCache], metadata: AttentionMetadata, backend: str = "torch") -> None:
+    def __init__(self, kv_caches: list[KVCache], metadata: AttentionMetadata, backend: str = "torch",
+                 attend: Callable[..., torch.Tensor] | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+        if attend is not None and backend != "torch":
+            raise ValueError(f"attend replaces the torch backend's attention; backend {backend!r} has its own kernel")
+        self.attend = attend
         self.kv_caches = kv_caches
         self.metadata = metadata
         self.backend = backend
@@ -225,7 +239,8 @@ class PagedAttention:
         key_cache, value_cache = self.kv_caches[layer_idx]
         if self._kernels is None:
             reshape_and_cache_torch(k, v, key_cache, value_cache, md.slot_mapping)
-            return paged_attention_torch(q, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_table)
+            return paged_attention_torch(q, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_table,
+                                         attend=self.attend)
         if md is not self._checked_metadata:
             # The index values are the same for every layer: check them once per step, not once per layer (on a
             # GPU each check copies them to the host, a sync that would stall the queue 2 x num_layers times).

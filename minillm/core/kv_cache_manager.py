@@ -21,15 +21,56 @@ attention types, several KV cache groups, speculative lookahead slots and KV tra
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Container, Sequence
+from typing import TYPE_CHECKING
 
 from minillm.core.block_pool import BlockPool
-from minillm.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats, hash_block_tokens
+from minillm.core.kv_cache_utils import BlockHash, KVCacheBlock, PrefixCacheStats, hash_block_tokens
 from minillm.request import Request
+
+if TYPE_CHECKING:
+    from minillm.engine.parts import EngineParts
 
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: blocks needed for ``a`` tokens with ``b`` tokens per block."""
     return -(-a // b)
+
+
+# -- the manager's three small jobs, as functions: what exercises 2.2, 2.4 and 2.5 ask for, and what the manager
+# calls through EngineParts (so chapter 8 can run a learner's versions) ---------------------------------------------
+def allocate_new_blocks(pool: BlockPool, req_blocks: list[KVCacheBlock], num_computed_tokens: int,
+                        num_new_tokens: int, block_size: int) -> list[KVCacheBlock] | None:
+    """Grow ``req_blocks`` (in place) to cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+    Returns the new blocks (empty when the last block still has room), or ``None`` when the pool has too few free
+    blocks; then nothing changed.
+    """
+    num_new_blocks = max(0, cdiv(num_computed_tokens + num_new_tokens, block_size) - len(req_blocks))
+    if num_new_blocks > pool.get_num_free_blocks():
+        return None
+    new_blocks = pool.get_new_blocks(num_new_blocks)
+    req_blocks.extend(new_blocks)
+    return new_blocks
+
+
+def num_cached_prefix_tokens(block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int,
+                             cached_hashes: Container[BlockHash]) -> int:
+    """How many leading tokens of a request of ``num_tokens`` tokens the prefix cache holds: whole blocks, walked
+    along the hash chain until the first miss, and at most ``num_tokens - 1`` (the last token is recomputed for its
+    logits)."""
+    max_hit_blocks = (num_tokens - 1) // block_size
+    num_hit_blocks = 0
+    for h in block_hashes[:max_hit_blocks]:
+        if h not in cached_hashes:
+            break  # the chain: a miss at block i means no later block can match
+        num_hit_blocks += 1
+    return num_hit_blocks * block_size
+
+
+def free_request_blocks(pool: BlockPool, req_blocks: Sequence[KVCacheBlock]) -> None:
+    """Drop the request's reference to each of its blocks, tail first (see :meth:`BlockPool.free_blocks`)."""
+    pool.free_blocks(reversed(req_blocks))
 
 
 class KVCacheManager:
@@ -39,11 +80,17 @@ class KVCacheManager:
         num_blocks: physical blocks in the cache, including the reserved null block 0.
         block_size: tokens per block.
         enable_caching: reuse full blocks across requests whose prefixes match (prefix caching).
+        parts: the functions it allocates, hashes, looks up and frees with
+            (:class:`~minillm.engine.parts.EngineParts`; default: this module's own).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 parts: EngineParts | None = None) -> None:
+        from minillm.engine.parts import EngineParts
+
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.parts = parts if parts is not None else EngineParts()
         self._block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -83,10 +130,21 @@ class KVCacheManager:
         bs = self._block_size
         tokens = request.all_token_ids
         hashes = request.block_hashes
+        if len(hashes) == len(tokens) // bs:
+            return hashes  # no new full block since the last call
         salt = getattr(request, "cache_salt", None)
+        if salt is None:
+            # The whole chain again (parts.block_hashes has exercise 2.3's signature); this happens once per block
+            # of output, not per token. The prefix already hashed must not change.
+            chain = self.parts.block_hashes(tokens, bs)
+            if list(chain[:len(hashes)]) != hashes:
+                raise RuntimeError(f"block_hashes changed the hashes of blocks already cached for request "
+                                   f"{request.request_id!r}: a block's hash must depend only on its tokens and parent")
+            hashes.extend(chain[len(hashes):])
+            return hashes
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i > 0 else None
-            extra = (salt,) if (i == 0 and salt is not None) else None
+            extra = (salt,) if i == 0 else None
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra))
         return hashes
 
@@ -103,13 +161,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         hashes = self._update_block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self._block_size
-        blocks: list[KVCacheBlock] = []
-        for h in hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(h)
-            if block is None:
-                break  # the chain: a miss at block i means no later block can match
-            blocks.append(block)
+        num_hit = self.parts.num_cached_tokens(hashes, request.num_tokens, self._block_size,
+                                               self.block_pool.cached_block_hash_to_block)
+        blocks = [self.block_pool.get_cached_block(h) for h in hashes[:num_hit // self._block_size]]
         # No statistics here: a request waiting for room is looked up again every step. The scheduler counts it
         # once, when it is admitted (record_prefix_cache_stats).
         return blocks, len(blocks) * self._block_size
@@ -157,21 +211,27 @@ class KVCacheManager:
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens
-        num_new_blocks = max(0, cdiv(num_tokens_need_slot, self._block_size) - len(req_blocks)
-                             - len(new_computed_blocks))
-        # A hit on a free cached block takes it out of the free queue, so it costs a free block too.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
-            if not req_blocks:
+        if new_computed_blocks:
+            # A hit on a free cached block takes it out of the free queue, so it costs a free block too: check
+            # before touching them, so that a refusal changes nothing.
+            num_new_blocks = max(0, cdiv(num_tokens_need_slot, self._block_size) - len(new_computed_blocks))
+            num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+            if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
                 del self.req_to_blocks[rid]  # leave no trace of a request that got nothing
-            return None
-
+                return None
         if new_computed_blocks or rid not in self.num_cached_block:
             self.block_pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
             self.num_cached_block[rid] = len(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
+        new_blocks = self.parts.allocate_slots(self.block_pool, req_blocks, num_computed_tokens, num_new_tokens,
+                                               self._block_size)
+        if new_blocks is None:
+            if new_computed_blocks:  # the check above said they fit: the allocation function is wrong
+                raise RuntimeError(f"allocate_slots refused {num_new_tokens} tokens that fit the free blocks")
+            if not req_blocks:
+                del self.req_to_blocks[rid]
+                self.num_cached_block.pop(rid, None)
+            return None
 
         if self.enable_caching:
             self.cache_blocks(request, min(num_tokens_need_slot, request.num_tokens))
@@ -191,7 +251,8 @@ class KVCacheManager:
         """Give back all of the request's blocks (finished or preempted), tail first. A no-op if it has none."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        if blocks:
+            self.parts.free(self.block_pool, blocks)
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's blocks in token order (empty if it has none)."""

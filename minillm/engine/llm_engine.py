@@ -30,6 +30,7 @@ from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.sched.scheduler import Scheduler
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.output_processor import OutputProcessor
+from minillm.engine.parts import EngineParts
 from minillm.engine.outputs import RequestOutput
 from minillm.model.llama import LlamaForCausalLM
 from minillm.request import Request, RequestStatus
@@ -82,15 +83,22 @@ class LLMEngine:
         tokenizer: its Hugging Face tokenizer, or ``None`` (then prompts must be token ids and ``text`` is empty).
         engine_args: the configuration (:class:`~minillm.engine.arg_utils.EngineArgs`); ``model``, ``dtype`` and
             ``device`` in it are ignored here since the model is already loaded (see :meth:`from_engine_args`).
+        parts: the engine's replaceable parts (:class:`~minillm.engine.parts.EngineParts`): attention, the KV cache
+            manager's functions, the scheduler class, top-k/top-p, the stop check and ``prepare_inputs``. Default:
+            the package's own. Chapter 8 passes a learner's answers here.
 
     Raises:
         ValueError: a bad argument, or a KV cache too small to hold one request of ``max_model_len`` tokens.
     """
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Any = None, engine_args: EngineArgs | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Any = None, engine_args: EngineArgs | None = None,
+                 parts: EngineParts | None = None) -> None:
         args = engine_args if engine_args is not None else EngineArgs()
         if not isinstance(args, EngineArgs):
             raise ValueError(f"engine_args must be an EngineArgs, got {type(args).__name__}")
+        if parts is not None and not isinstance(parts, EngineParts):
+            raise ValueError(f"parts must be an EngineParts, got {type(parts).__name__}")
+        self.parts = parts if parts is not None else EngineParts()
         self.engine_args = args
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -101,13 +109,13 @@ class LLMEngine:
         self.attention_backend = args.resolved_attention_backend()
         if self.attention_backend == "triton":
             import kernels  # noqa: F401  (switches on Triton's interpreter without a GPU before any kernel exists)
-        self.scheduler = Scheduler(self.scheduler_config, self.num_gpu_blocks, args.block_size,
-                                   args.enable_prefix_caching)
+        self.scheduler: Scheduler = self.parts.scheduler_cls(self.scheduler_config, self.num_gpu_blocks,
+                                                             args.block_size, args.enable_prefix_caching, self.parts)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_id: int | None = eos if eos is not None else model.config.eos_token_id
         self.model_runner = ModelRunner(model, self.num_gpu_blocks, args.block_size, self.attention_backend,
                                         eos_token_id=self.eos_token_id,
-                                        speculative_config=args.speculative_config)
+                                        speculative_config=args.speculative_config, parts=self.parts)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats = EngineStats()
         torch.manual_seed(args.seed)  # the global generator unseeded random sampling draws from

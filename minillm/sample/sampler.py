@@ -55,7 +55,16 @@ def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.
 
 
 class Sampler(nn.Module):
-    """Samples one token for each row of ``logits`` with that row's :class:`SamplingParams`."""
+    """Samples one token for each row of ``logits`` with that row's :class:`SamplingParams`.
+
+    Args:
+        top_k_top_p: the masking function random rows go through (``EngineParts.top_k_top_p``; default
+            :func:`~minillm.sample.ops.topk_topp.apply_top_k_top_p`).
+    """
+
+    def __init__(self, top_k_top_p: Callable[..., torch.Tensor] = apply_top_k_top_p) -> None:
+        super().__init__()
+        self.top_k_top_p = top_k_top_p
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         """
@@ -89,12 +98,18 @@ class Sampler(nn.Module):
         return logits
 
     @staticmethod
-    def filtered_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def filtered_probs(logits: torch.Tensor, md: SamplingMetadata,
+                       top_k_top_p: Callable[..., torch.Tensor] = apply_top_k_top_p) -> torch.Tensor:
         """The distribution random rows sample from: softmax after temperature, min-p, top-k/top-p.
         float32 ``[num_rows, vocab_size]``."""
         logits = apply_temperature(logits, md.temperature)
         logits = apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        if md.top_k is not None or md.top_p is not None:
+            # Exercise 5.1's signature takes both tensors: a row without top-k has k = 0, without top-p p = 1.
+            rows = logits.shape[0]
+            k = md.top_k if md.top_k is not None else torch.zeros(rows, dtype=torch.long, device=logits.device)
+            p = md.top_p if md.top_p is not None else torch.ones(rows, device=logits.device)
+            logits = top_k_top_p(logits, k, p)
         return logits.softmax(dim=-1, dtype=torch.float32)
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -102,7 +117,7 @@ class Sampler(nn.Module):
         greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy
-        random = random_sample(self.filtered_probs(logits, md), md.generators)
+        random = random_sample(self.filtered_probs(logits, md, self.top_k_top_p), md.generators)
         if greedy is None:
             return random
         return torch.where(md.temperature < SAMPLING_EPS, greedy, random)

@@ -47,6 +47,7 @@ from minillm.attention.metadata import AttentionMetadata
 from minillm.attention.paged import BACKENDS, PagedAttention, allocate_kv_caches
 from minillm.attention.torch_sdpa import TorchSDPAAttention
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from minillm.engine.parts import EngineParts
 from minillm.model.llama import LlamaForCausalLM
 from minillm.outputs import SamplerOutput
 from minillm.sample.metadata import SamplingMetadata, make_generator
@@ -130,6 +131,80 @@ class BatchInputs:
         return self.attn_metadata.slot_mapping
 
 
+def prepare_inputs(scheduler_output: SchedulerOutput, requests: dict[str, CachedRequestState], block_size: int,
+                   device: torch.device | str = "cpu") -> BatchInputs:
+    """The flat batch of one step: every scheduled token of every request, prefill chunks and decodes together.
+
+    Args:
+        scheduler_output: this step's :class:`SchedulerOutput`; request ``i`` of the batch is the ``i``-th key of
+            ``num_scheduled_tokens``, and gets that many tokens.
+        requests: the runner's request states, already updated for this step (``num_computed_tokens`` is where
+            this step starts, ``block_ids`` cover every scheduled token).
+        block_size: tokens per KV block.
+        device: where the tensors go.
+
+    Returns:
+        :class:`BatchInputs`: ``input_ids``/``positions``/``slot_mapping`` ``[num_tokens]``, ``query_start_loc``
+        ``[num_reqs + 1]``, ``seq_lens`` ``[num_reqs]``, ``block_table`` ``[num_reqs, max_num_blocks]`` (rows padded
+        with the null block 0), ``logits_indices`` ``[num_reqs]`` (each request's last row) and
+        ``discard_request_mask`` ``[num_reqs]``.
+
+    The model runner calls it through :class:`~minillm.engine.parts.EngineParts` (``parts.prepare_inputs``), which
+    is how chapter 8 runs a learner's own version in the engine.
+    vLLM v0.33.0: ``vllm/v1/worker/gpu_model_runner.py:GPUModelRunner._prepare_inputs``, which fills persistent
+    buffers of the ``InputBatch`` in place instead of building new arrays.
+    """
+    so = scheduler_output
+    req_ids = list(so.num_scheduled_tokens)
+    states = [requests[rid] for rid in req_ids]
+    num_reqs = len(states)
+    num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+    num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+    cu = np.cumsum(num_sched)
+    total = int(cu[-1])
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+    query_start_loc[1:] = cu
+
+    # Token j of the batch belongs to request req_idx[j]; its position is that request's context + offset.
+    req_idx = np.repeat(np.arange(num_reqs), num_sched)
+    positions = np.arange(total, dtype=np.int64) - np.repeat(cu - num_sched - num_computed, num_sched)
+    input_ids = np.empty(total, dtype=np.int64)
+    drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]
+    for i, s in enumerate(states):
+        c, n = int(num_computed[i]), int(num_sched[i])
+        known = len(s.token_ids) + len(drafts[i])
+        if c + n > known or (drafts[i] and c + n != known):  # drafts are always the last scheduled tokens
+            raise RuntimeError(f"request {s.req_id!r}: scheduled tokens {c}..{c + n} but the runner knows "
+                               f"{len(s.token_ids)} tokens and {len(drafts[i])} drafts")
+        # Slice before appending the drafts: copying the whole history every step would cost O(seq_len).
+        input_ids[query_start_loc[i]:query_start_loc[i] + n] = s.token_ids[c:c + n] + drafts[i]
+
+    max_blocks = max(len(s.block_ids) for s in states)
+    block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)  # the null block 0 pads short rows
+    for i, s in enumerate(states):
+        block_table[i, :len(s.block_ids)] = s.block_ids
+    slot_mapping = (block_table[req_idx, positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)
+    seq_lens = (num_computed + num_sched).astype(np.int32)
+    # Mid-prefill: this step ends before the request's known tokens do (drafts count as known: they are the
+    # last scheduled tokens), so the token predicted at its last row is already known. vLLM v0.33.0:
+    # discard_request_mask = seq_lens < num_tokens (gpu_model_runner.py:GPUModelRunner._prepare_inputs).
+    discard_request_mask = seq_lens < np.fromiter((len(s.token_ids) + len(d) for s, d in zip(states, drafts)),
+                                                  dtype=np.int64, count=num_reqs)
+
+    dev = device
+    md = AttentionMetadata(
+        query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+        seq_lens=torch.from_numpy(seq_lens).to(dev),
+        block_table=torch.from_numpy(block_table).to(dev),
+        slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+        max_query_len=int(num_sched.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return BatchInputs(req_ids, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
+                       torch.from_numpy(cu - 1).to(dev), discard_request_mask, drafts)
+
+
 class ModelRunner:
     """Owns the paged KV cache and runs the model on scheduler outputs.
 
@@ -142,6 +217,8 @@ class ModelRunner:
         eos_token_id: the EOS id that ``min_tokens`` blocks (default: the model config's).
         speculative_config: ``None``, or a checked n-gram config (see
             :func:`~minillm.engine.arg_utils.parse_speculative_config`): propose drafts after each step.
+        parts: the engine's replaceable parts (:class:`~minillm.engine.parts.EngineParts`); the runner calls
+            ``parts.prepare_inputs``, ``parts.top_k_top_p`` (through its sampler) and, when set, ``parts.attention``.
 
     Attributes:
         kv_caches: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads,
@@ -156,7 +233,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  kv_cache_dtype: torch.dtype | None = None, eos_token_id: int | None = None,
-                 speculative_config: dict | None = None) -> None:
+                 speculative_config: dict | None = None, parts: EngineParts | None = None) -> None:
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.model = model
@@ -167,7 +244,8 @@ class ModelRunner:
         self.eos_token_id = model.config.eos_token_id if eos_token_id is None else eos_token_id
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_cache_dtype or model.dtype,
                                             self.device)
-        self.sampler = Sampler()
+        self.parts = parts if parts is not None else EngineParts()
+        self.sampler = Sampler(top_k_top_p=self.parts.top_k_top_p)
         self.rejection_sampler = RejectionSampler()
         self.drafter: NgramProposer | None = None
         if speculative_config is not None:
@@ -178,8 +256,6 @@ class ModelRunner:
         self.last_inputs: BatchInputs | None = None
         self.last_sampler_output: SamplerOutput | None = None
         self.last_step_seconds = 0.0
-        # Persistent host buffer for the block table, grown as needed (vLLM keeps a persistent one too).
-        self._block_table_np = np.zeros((16, 16), dtype=np.int32)
 
     # -- 1. requests ----------------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -206,61 +282,13 @@ class ModelRunner:
 
     # -- 2. the flat batch ----------------------------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
-        req_ids = list(so.num_scheduled_tokens)
-        states = [self.requests[rid] for rid in req_ids]
-        num_reqs = len(states)
-        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
-        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
-        cu = np.cumsum(num_sched)
-        total = int(cu[-1])
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        query_start_loc[1:] = cu
-
-        # Token j of the batch belongs to request req_idx[j]; its position is that request's context + offset.
-        req_idx = np.repeat(np.arange(num_reqs), num_sched)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(cu - num_sched - num_computed, num_sched)
-        input_ids = np.empty(total, dtype=np.int64)
-        drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]
-        for i, s in enumerate(states):
-            c, n = int(num_computed[i]), int(num_sched[i])
-            known = len(s.token_ids) + len(drafts[i])
-            if c + n > known or (drafts[i] and c + n != known):  # drafts are always the last scheduled tokens
-                raise RuntimeError(f"request {s.req_id!r}: scheduled tokens {c}..{c + n} but the runner knows "
-                                   f"{len(s.token_ids)} tokens and {len(drafts[i])} drafts")
-            # Slice before appending the drafts: copying the whole history every step would cost O(seq_len).
-            input_ids[query_start_loc[i]:query_start_loc[i] + n] = s.token_ids[c:c + n] + drafts[i]
-
-        max_blocks = max(len(s.block_ids) for s in states)
-        if self._block_table_np.shape[0] < num_reqs or self._block_table_np.shape[1] < max_blocks:
-            self._block_table_np = np.zeros((max(num_reqs, self._block_table_np.shape[0]),
-                                             max(max_blocks, self._block_table_np.shape[1])), dtype=np.int32)
-        block_table = self._block_table_np[:num_reqs, :max_blocks]
-        block_table.fill(0)  # the null block pads short rows
-        for i, s in enumerate(states):
-            block_table[i, :len(s.block_ids)] = s.block_ids
-        slot_mapping = (block_table[req_idx, positions // self.block_size].astype(np.int64) * self.block_size
-                        + positions % self.block_size)
-        seq_lens = (num_computed + num_sched).astype(np.int32)
-        # Mid-prefill: this step ends before the request's known tokens do (drafts count as known: they are the
-        # last scheduled tokens), so the token predicted at its last row is already known. vLLM v0.33.0:
-        # discard_request_mask = seq_lens < num_tokens (gpu_model_runner.py:GPUModelRunner._prepare_inputs).
-        discard_request_mask = seq_lens < np.fromiter((len(s.token_ids) + len(d) for s, d in zip(states, drafts)),
-                                                      dtype=np.int64, count=num_reqs)
-
-        dev = self.device
-        md = AttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_table=torch.from_numpy(block_table.copy()).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        return BatchInputs(req_ids, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
-                           torch.from_numpy(cu - 1).to(dev), discard_request_mask, drafts)
+        return self.parts.prepare_inputs(so, self.requests, self.block_size, self.device)
 
     def make_attention(self, md: AttentionMetadata):
-        """The :class:`~minillm.attention.backend.AttentionImpl` of one step, for the configured backend."""
+        """The :class:`~minillm.attention.backend.AttentionImpl` of one step: ``parts.attention`` request by request
+        when it is set, else the configured backend."""
+        if self.parts.attention is not None:
+            return PagedAttention(self.kv_caches, md, backend="torch", attend=self.parts.attention)
         if self.attention_backend == "torch":
             return TorchSDPAAttention(self.kv_caches, md)
         return PagedAttention(self.kv_caches, md, backend="triton")

@@ -32,15 +32,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minillm.config import SchedulerConfig
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.kv_cache_utils import KVCacheBlock
 from minillm.core.sched.output import (CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput)
 from minillm.core.sched.request_queue import SchedulingPolicy, create_request_queue
-from minillm.core.sched.utils import check_stop
 from minillm.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from minillm.engine.parts import EngineParts
 
 
 @dataclass
@@ -87,10 +89,14 @@ class Scheduler:
         num_gpu_blocks: KV cache blocks (including the null block the block pool reserves).
         block_size: tokens per KV block.
         enable_prefix_caching: reuse full blocks whose token prefix matches.
+        parts: the engine's replaceable functions (:class:`~minillm.engine.parts.EngineParts`); the scheduler
+            calls ``parts.check_stop`` and hands the rest to its :class:`KVCacheManager`. Default: the package's.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, block_size: int = 16,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, parts: EngineParts | None = None) -> None:
+        from minillm.engine.parts import EngineParts
+
         if not isinstance(scheduler_config, SchedulerConfig):
             raise ValueError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         self.scheduler_config = scheduler_config
@@ -99,7 +105,9 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.block_size = block_size
-        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
+        self.parts = parts if parts is not None else EngineParts()
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching,
+                                               parts=self.parts)
         # One request of max_model_len tokens must fit alone, or it would preempt itself forever.
         if self.kv_cache_manager.num_free_blocks * block_size < self.max_model_len:
             raise ValueError(
@@ -332,7 +340,7 @@ class Scheduler:
             finished = False
             for i, token_id in enumerate(new_token_ids, 1):
                 request.append_output_token_ids(token_id)
-                if check_stop(request, self.max_model_len):
+                if self.parts.check_stop(request, self.max_model_len):
                     del new_token_ids[i:]
                     finished = True
                     break

@@ -1,0 +1,61 @@
+"""Run one exercise's check cell of a solution notebook against a deliberately wrong answer.
+
+``run_check(solution, "2.2", my_allocate_slots=wrong)`` executes the notebook's code cells in one namespace, in
+order, up to and including the ``# Check Exercise 2.2`` cell; right after the ``# Exercise 2.2`` cell it replaces the
+given names. It returns the exception the check cell raised (``None`` if it passed). Cells of later exercises are not
+run. IPython line magics (``%matplotlib inline``) are skipped: the cells run as plain Python with the Agg backend.
+
+Tests of typical mistakes use it to prove that a check fails on them, and says why.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _plain_python(source: str) -> str:
+    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+
+
+def run_check(solution: str | Path, exercise: str, **replace: Any) -> BaseException | None:
+    """Execute ``solution`` (a path, or a name under ``solutions/``) up to the check of ``exercise`` ("N.M"), with
+    ``replace`` swapped in after the exercise's own cell. Returns what the check cell raised, or ``None``."""
+    path = Path(solution)
+    if not path.is_absolute() and not path.exists():
+        path = ROOT / "solutions" / path
+    nb = nbformat.read(path, as_version=4)
+    matplotlib.use("Agg")
+    ns: dict[str, Any] = {"__name__": "__main__"}
+    cwd = os.getcwd()
+    os.chdir(path.parent)  # as Jupyter runs a notebook: relative paths from its own folder
+    try:
+        seen_exercise = False
+        for cell in nb.cells:
+            if cell.cell_type != "code":
+                continue
+            first = cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
+            is_check = first.startswith(f"# Check Exercise {exercise}")
+            if is_check:
+                if not seen_exercise:
+                    raise LookupError(f"{path.name}: the check of exercise {exercise} comes before its exercise cell")
+                try:
+                    exec(compile(_plain_python(cell.source), f"{path.name}:check {exercise}", "exec"), ns)  # noqa: S102
+                except BaseException as e:  # noqa: BLE001 - the caller asserts on it
+                    return e
+                return None
+            exec(compile(_plain_python(cell.source), f"{path.name}:cell", "exec"), ns)  # noqa: S102
+            if first.startswith(f"# Exercise {exercise}:"):
+                seen_exercise = True
+                missing = [k for k in replace if k not in ns]
+                if missing:
+                    raise LookupError(f"exercise {exercise} of {path.name} defines no {missing}")
+                ns.update(replace)
+        raise LookupError(f"{path.name} has no '# Check Exercise {exercise}' cell")
+    finally:
+        os.chdir(cwd)

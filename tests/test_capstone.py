@@ -1,0 +1,115 @@
+"""Chapter 8's capstone machinery: the learner's parts load from their notebooks, run as the engine on SmolLM2
+through EngineParts, and every disagreement with the reference is caught and named (part, step, field)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm.core.sched.scheduler import Scheduler
+from minillm.engine.parts import PART_NAMES, EngineParts
+from minillm.exercises.capstone import PartMismatch, check_capstone
+from minillm.exercises.parts import load_learner_parts
+from minillm.worker.model_runner import prepare_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_engine(engine, prompts, params):
+    """Exercise 8.1's answer: add every prompt, step until the engine is empty, return each one's tokens."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+class WaitingFirstScheduler(Scheduler):
+    """A typical wrong scheduler: it admits waiting requests before it serves the running ones."""
+
+    def schedule(self):
+        self._schedule_running, self._schedule_waiting = self._schedule_waiting, self._schedule_running
+        try:
+            return super().schedule()
+        finally:
+            del self._schedule_running, self._schedule_waiting
+
+
+def free_head_first(pool, req_blocks):
+    """A typical wrong free: first block first, so a request's prefix is evicted before its tail."""
+    pool.free_blocks(list(req_blocks))
+
+
+def positions_from_zero(so, requests, block_size, device="cpu"):
+    """A typical wrong _prepare_inputs: positions restart at 0 for every request (they must start at
+    num_computed_tokens)."""
+    out = prepare_inputs(so, requests, block_size, device)
+    qsl = out.query_start_loc.tolist()
+    out.positions = torch.cat([torch.arange(b - a) for a, b in zip(qsl, qsl[1:])])
+    return out
+
+
+def test_solutions_load_as_every_part():
+    learner = load_learner_parts(ROOT / "solutions")
+    assert [s.source.part for s in learner.status] == list(PART_NAMES)
+    assert not learner.missing, learner.table()
+    parts = learner.engine_parts()
+    assert parts.replaced() == list(PART_NAMES)  # every part is the learner's, none the package's
+    assert parts.scheduler_cls.__name__ == "LearnerScheduler" and issubclass(parts.scheduler_cls, Scheduler)
+
+
+def test_unsolved_exercises_name_the_first_missing_part():
+    learner = load_learner_parts(ROOT / "exercises")
+    assert len(learner.missing) == len(PART_NAMES)
+    with pytest.raises(AssertionError, match=r"part 'attention' .* Exercise 1\.1 is not solved yet"):
+        learner.engine_parts()
+    # Skipping chapters with the package's own parts moves the blame to the next missing one.
+    with pytest.raises(AssertionError, match=r"part 'allocate_slots' .* Exercise 2\.2 is not solved yet"):
+        learner.engine_parts(use_reference_for={"attention"})
+    with pytest.raises(ValueError, match="unknown part"):
+        learner.engine_parts(use_reference_for={"sampler"})
+
+
+@pytest.mark.slow
+def test_capstone_passes_with_the_solutions(model, tokenizer):
+    result = check_capstone(load_learner_parts(ROOT / "solutions"), model, tokenizer, run_engine)
+    assert result.num_preemptions >= 1 and result.num_cached_prompt_tokens > 0 and result.num_chunked_prompts >= 2
+    assert all(e is None or t == e for t, e in zip(result.tokens, result.expected))
+    assert result.tokens[0][:7] == tokenizer.encode("The capital of France is Paris.")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part, wrong, field", [
+    ("scheduler_cls", WaitingFirstScheduler, "num_scheduled_tokens"),
+    ("free", free_head_first, "the free queue"),
+    ("prepare_inputs", positions_from_zero, "positions"),
+])
+def test_one_wrong_part_is_caught_and_named(model, tokenizer, part, wrong, field):
+    parts = dataclasses.replace(EngineParts(), **{part: wrong})
+    with pytest.raises(PartMismatch) as info:
+        check_capstone(parts, model, tokenizer, run_engine)
+    assert info.value.part == part and field in info.value.field, str(info.value)
+    assert f"your {part}" in str(info.value) and "step " in str(info.value)
+
+
+@pytest.mark.slow
+def test_a_wrong_run_engine_is_named(model, tokenizer):
+    def reversed_order(engine, prompts, params):
+        return run_engine(engine, prompts, params)[::-1]
+
+    with pytest.raises(AssertionError, match=r"Exercise 8\.1"):
+        check_capstone(EngineParts(), model, tokenizer, reversed_order)
+
+
+def test_engine_parts_reject_what_is_not_a_part():
+    with pytest.raises(ValueError, match="scheduler_cls must be a subclass"):
+        EngineParts(scheduler_cls=object)
+    with pytest.raises(ValueError, match="EngineParts.free must be a function"):
+        EngineParts(free=3)
+    assert EngineParts().replaced() == []
+    assert EngineParts(free=free_head_first).replaced() == ["free"]

@@ -132,6 +132,19 @@ def test_overlapping_texts_sees_crowded_tick_labels_only_in_view():
     assert overlapping_texts(fig) == []
 
 
+def test_overlapping_texts_ignores_tick_labels_outside_the_view():
+    # The locator places a tick at -5 on an axis from -1.5 to 30 (and a minor one on a log axis): not drawn, so
+    # it cannot overlap anything, although Axis.get_majorticklabels() lists it.
+    fig = Figure(figsize=(4, 2.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(range(30), [10 ** (-2 + i / 20) for i in range(30)])
+    ax.set_yscale("log")
+    fig.canvas.draw()
+    assert any(t.get_text() == "\N{MINUS SIGN}5" for t in ax.xaxis.get_majorticklabels())
+    assert overlapping_texts(fig) == []
+
+
 def test_overlapping_texts_on_a_pyplot_figure():
     import matplotlib
 

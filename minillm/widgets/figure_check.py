@@ -24,8 +24,14 @@ def _drawn_texts(fig: Figure) -> list:
         for tick in [*axis.majorTicks, *axis.minorTicks]:
             tick_texts.update((id(tick.label1), id(tick.label2)))
         if axis.get_visible():
-            # these are recomputed for the current view limits, so ticks outside the view are left out
-            drawn_ticks += [*axis.get_majorticklabels(), *axis.get_minorticklabels()]
+            # Only the ticks inside the view limits are drawn. The public get_majorticklabels() also returns the
+            # labels of ticks the locator placed just outside the view, which a draw skips; _update_ticks() is
+            # the list Axis.draw itself uses.
+            if hasattr(axis, "_update_ticks"):
+                ticks = axis._update_ticks()
+                drawn_ticks += [lab for t in ticks for lab in (t.label1, t.label2) if lab.get_visible()]
+            else:  # pragma: no cover - a matplotlib without the private method
+                drawn_ticks += [*axis.get_majorticklabels(), *axis.get_minorticklabels()]
     texts = [t for t in fig.findobj(Text) if id(t) not in tick_texts] + drawn_ticks
     out, seen = [], set()
     for t in texts:

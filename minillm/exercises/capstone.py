@@ -254,12 +254,17 @@ def capstone_requests(tokenizer: Any) -> tuple[list[list[int]], list[Any]]:
 
 @functools.lru_cache(maxsize=1)
 def _hf_model() -> Any:
-    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    import minillm
+    from minillm.benchmarks.throughput import load_hf_model
 
-    path = minillm.default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no loading bars in the notebook's output (they hold timings)
+    try:
+        return load_hf_model()
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def transformers_greedy(prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
@@ -353,3 +358,27 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
     assert result.num_cached_prompt_tokens > 0, "the capstone workload had no prefix-cache hit"
     assert all(checker.calls[n] > 0 for n in PART_NAMES), f"a part was never called: {checker.calls}"
     return result
+
+
+
+def run_requests(engine: Any, prompts: list[list[int]], params: list[Any]) -> list[list[int]]:
+    """The package's answer to exercise 8.1: add each prompt as request ``capstone-i``, step until the engine is
+    empty, return each prompt's output token ids in prompt order."""
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"capstone-{i}", prompt, sp)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step() if o.finished)
+    return [done[f"capstone-{i}"] for i in range(len(prompts))]
+
+
+def capstone_tokens(parts: EngineParts, model: Any, tokenizer: Any) -> list[list[int]]:
+    """The capstone workload through ``LLMEngine(parts=parts)``, without any check: each request's output tokens.
+
+    For seeing what a part does to the output on its own (a wrong scheduler, for instance, can leave every greedy
+    token right, which is why :func:`check_capstone` compares the parts themselves)."""
+    from minillm.engine.arg_utils import EngineArgs
+    from minillm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model, tokenizer, EngineArgs(**CAPSTONE_ARGS), parts=parts)
+    return run_requests(engine, *capstone_requests(tokenizer))

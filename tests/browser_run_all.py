@@ -10,14 +10,15 @@ import pytest
 
 from tests.test_browser import ROOT, _menu, _open, browser, lab, page  # noqa: F401 - fixtures used by name
 
-LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+# Every lesson, and the capstone solved (it reads the solution notebooks beside it, as a learner's reads theirs).
+LESSONS = sorted(f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")) + ["solutions/08_capstone.ipynb"]
 
 
 @pytest.mark.parametrize("name", LESSONS)
 def test_run_all_in_jupyterlab(page, lab, name):
     """Run All, as a learner does after `make lab`: every code cell gets an execution count and none shows an
     error."""
-    _open(page, lab, f"notebooks/{name}")
+    _open(page, lab, name)
     _menu(page, "Run", "Run All Cells")
     # [prompt text, source] of every code cell; an empty cell never gets an execution count.
     state = """() => [...document.querySelectorAll('.jp-CodeCell')].map(c => [

@@ -1,6 +1,6 @@
 """The course in a real JupyterLab, in a real browser: what nbval cannot see because it clicks nothing.
 
-JupyterLab is started on a free loopback port over a temporary copy of notebooks/ and exercises/ (so autosave
+JupyterLab is started on a free loopback port over a temporary copy of notebooks/, exercises/ and solutions/ (so autosave
 cannot touch the repository), with its default settings, comms over subshells included (the setting under which
 the old widgets raced matplotlib-inline and drew blank or garbled figures). Debian's Chromium is driven by
 Playwright; it is never downloaded (``playwright install`` cannot reach its servers here).
@@ -47,12 +47,12 @@ pytestmark = [pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server over a copy of notebooks/ and exercises/; yields its base URL (with the token)."""
+    """A JupyterLab server over a copy of notebooks/, exercises/ and solutions/; yields its base URL (with the token)."""
     pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (it is in the [dev] extra)")
     if CHROMIUM is None:
         pytest.skip("no Chromium found (apt-get install chromium, or set MINILLM_CHROMIUM); the browser test needs it")
     root = tmp_path_factory.mktemp("lab")
-    for d in ("notebooks", "exercises"):
+    for d in ("notebooks", "exercises", "solutions"):
         shutil.copytree(ROOT / d, root / d)
     settings, app_settings = root / ".settings", root / ".app-settings"
     # All cells in the DOM (no virtual scrolling), so a cell can be found by its text.

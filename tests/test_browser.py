@@ -1,7 +1,7 @@
 """The course in a real JupyterLab, in a real browser: what nbval cannot see because it clicks nothing.
 
-JupyterLab is started on a free loopback port over a temporary copy of notebooks/, exercises/ and solutions/ (so autosave
-cannot touch the repository), with its default settings, comms over subshells included (the setting under which
+JupyterLab is started on a free loopback port over a temporary copy of notebooks/, exercises/ and solutions/ (so
+autosave cannot touch the repository), with its default settings, comms over subshells included (the setting under which
 the old widgets raced matplotlib-inline and drew blank or garbled figures). Debian's Chromium is driven by
 Playwright; it is never downloaded (``playwright install`` cannot reach its servers here).
 
@@ -47,7 +47,7 @@ pytestmark = [pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server over a copy of notebooks/, exercises/ and solutions/; yields its base URL (with the token)."""
+    """A JupyterLab server over a copy of notebooks/, exercises/ and solutions/; yields its base URL and token."""
     pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (it is in the [dev] extra)")
     if CHROMIUM is None:
         pytest.skip("no Chromium found (apt-get install chromium, or set MINILLM_CHROMIUM); the browser test needs it")

@@ -24,7 +24,7 @@ Not recorded: tensor-descriptor loads and stores (``tl.make_tensor_descriptor``)
 exercises (the reference kernel's reads next to yours, the differences marked), in the spirit of Triton-Puzzles'
 memory diagrams.
 
-vLLM counterpart: none (vLLM tests its kernels' outputs, ``tests/kernels/attention/``).
+vLLM counterpart: none; a course tool for looking inside a kernel.
 """
 from __future__ import annotations
 

@@ -129,6 +129,16 @@ def test_3_2_kernel_loop_mistakes(cells_with_source, tmp_path, edits, why):
 
 
 @pytest.mark.slow
+def test_3_2_extra_reads_that_the_masks_hide_pass_with_a_note(cells_with_source, tmp_path, capsys):
+    """Masking the tile with j < num_k instead of j < kv_end reads keys the first program never needs: the result is
+    right (the causal mask hides them), so the check passes, but says so."""
+    kernel = mutated(NB03, "3.2", "my_contiguous_kernel", ("j_ok = j < kv_end", "j_ok = j < num_k"),
+                     header=TRITON_HEADER, tmp_path=tmp_path)
+    assert run_check(NB03, "3.2", my_contiguous_kernel=kernel) is None
+    assert "wasted memory traffic" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("edits, why", [
     ([("block_ids_ptr + j // BLOCK_SIZE", "block_ids_ptr + j % BLOCK_SIZE")],
      "you used j % BLOCK_SIZE as the block index"),

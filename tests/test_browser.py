@@ -139,11 +139,13 @@ def _run_cell(page, cell) -> None:
 
 
 def _run_to(page, needle: str):
-    """Run the notebook's set-up cell (its first code cell: imports, seeds, thread count), then the code cell whose
-    source contains ``needle``. The widget cells are self-contained after the imports; running the whole lesson above
+    """Run the notebook's set-up cell (its first code cell after the engine map: imports, seeds, thread count), then
+    the code cell whose source contains ``needle``. The widget cells are self-contained after the imports; running the whole lesson above
     them is what make test-browser's Run All does, and would tie this test to the lesson's timing claims on a machine
     shared with the other test worker."""
-    _run_cell(page, page.locator(".jp-CodeCell").first)
+    setup = page.locator(".jp-CodeCell").filter(
+        has_not=page.locator(".jp-InputArea-editor", has_text="# Where we are")).first  # after the engine map
+    _run_cell(page, setup)
     cell = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea-editor", has_text=needle)).first
     _run_cell(page, cell)
     return cell

@@ -12,6 +12,7 @@ from minillm.core.sched.utils import check_stop
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.parts import PART_NAMES, EngineParts
+from minillm.exercises.capstone import run_requests
 from minillm.sample.ops.topk_topp import apply_top_k_top_p
 from minillm.sampling_params import SamplingParams
 from minillm.worker.model_runner import prepare_inputs
@@ -28,14 +29,7 @@ PARAMS = [SamplingParams(max_tokens=8, temperature=0.0), SamplingParams(max_toke
 
 def run(parts: EngineParts | None):
     engine = LLMEngine(MODEL, None, EngineArgs(**ARGS), parts=parts)
-    for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS)):
-        engine.add_request(str(i), p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[str(i)] for i in range(len(PROMPTS))], engine.stats
+    return run_requests(engine, PROMPTS, PARAMS), engine.stats
 
 
 def counting(calls: dict, name: str, fn):

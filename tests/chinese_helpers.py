@@ -1,0 +1,316 @@
+"""Checks for the course's Chinese text: the glossary, its variants, spacing and punctuation, README parity.
+
+`docs/glossary.md` fixes one Chinese form per term. The functions here read it and check a piece of Chinese text
+against it, so the same checks serve `README.zh-CN.md` (tests/test_chinese.py) and the notebooks' Chinese blocks:
+
+    from tests.chinese_helpers import chinese_problems
+    assert chinese_problems(text) == []
+
+`chinese_problems` is `glossary_violations` (a known wrong variant of a glossary term) + `spacing_violations`
+(Chinese touching English or digits without a space) + `punctuation_violations` (half-width punctuation in a
+Chinese sentence). Each returns a list of readable messages, empty when the text is fine. Code (fenced blocks and
+inline code), URLs and HTML tags are masked first, so identifiers and commands are never checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GLOSSARY = REPO / "docs" / "glossary.md"
+
+# Known wrong forms of glossary terms, keyed by the glossary's English term. A variant is allowed only inside an
+# occurrence of a glossary form that contains it ("块预填充" inside "分块预填充", "预填充" inside "分块预填充").
+# Spacing variants ("PD分离") are left to spacing_violations.
+VARIANTS: dict[str, list[str]] = {
+    "token": ["令牌", "词元"],
+    "tokenizer": ["分词工具", "标记器", "切词器"],
+    "chat template": ["聊天模板", "对话模板"],
+    "weights": ["权值"],
+    "forward pass": ["正向传播", "前向计算"],
+    "hidden states": ["隐状态", "隐层状态"],
+    "logits": ["对数几率", "逻辑值"],
+    "prefill": ["预填充"],
+    "decode": ["解码阶段", "解码步"],
+    "KV cache": ["KV 缓存", "KV缓存", "kv 缓存", "kv缓存", "键值缓存", "KV Cache"],
+    "greedy decoding": ["贪婪解码", "贪婪搜索", "贪心搜索"],
+    "exercise": ["习题"],
+    "check cell": ["检查格", "校验单元格"],
+    "attention": ["注意力"],
+    "causal mask": ["因果遮罩", "因果掩膜", "因果屏蔽"],
+    "residual stream": ["残差流动", "残差连接流"],
+    "chunked prefill": ["分段预填充", "块预填充", "切块预填充", "分片预填充", "分块预填"],
+    "log-sum-exp": ["对数求和指数"],
+    "flat batch": ["扁平批", "展平批次", "扁平 batch"],
+    "paged KV cache": ["分页式 KV cache", "页式 KV cache"],
+    "PagedAttention": ["分页注意力", "页注意力"],
+    "block": ["区块"],
+    "block size": ["块尺寸"],
+    "block table": ["块映射表", "分块表", "块表格"],
+    "block pool": ["块缓存池"],
+    "free block queue": ["空闲队列块", "自由块队列"],
+    "prefix caching": ["前缀缓冲", "前缀高速缓存", "前缀 cache"],
+    "block hash": ["块散列"],
+    "cache hit": ["缓存击中"],
+    "reference count": ["引用次数"],
+    "eviction": ["驱逐", "逐出"],
+    "kernel (GPU)": ["内核函数", "核函数"],
+    "Triton interpreter": ["Triton 解析器"],
+    "online softmax": ["在线 softmax", "在线softmax"],
+    "scheduler": ["调度程序", "排程器"],
+    "waiting queue": ["等待队列"],
+    "running queue": ["运行队列", "执行队列"],
+    "token budget": ["令牌预算", "token 配额"],
+    "batch": ["批次", "批处理"],
+    "continuous batching": ["持续批处理", "连续批量", "连续批次处理", "连续组批"],
+    "preemption": ["剥夺", "抢夺", "强占"],
+    "recompute": ["重算"],
+    "FCFS": ["先到先服务", "先进先出"],
+    "priority scheduling": ["优先权调度"],
+    "latency": ["时延"],
+    "TTFT": ["首字延迟", "首 token 时延", "首词延迟"],
+    "sampler": ["取样器", "抽样器"],
+    "sampling": ["取样", "抽样"],
+    "temperature": ["温度系数"],
+    "placeholder token": ["占位符"],
+    "stop condition": ["终止条件", "停止准则"],
+    "stop string": ["终止字符串", "停止词"],
+    "detokenizer": ["反分词器", "解分词器", "去分词器"],
+    "speculative decoding": ["推测解码", "猜测解码", "投机采样", "投机推理"],
+    "draft token": ["草稿 token", "草稿令牌"],
+    "bonus token": ["奖励 token"],
+    "rejection sampling": ["拒绝抽样", "拒斥采样"],
+    "model runner": ["模型运行器", "模型执行器"],
+    "OpenAI-compatible server": ["OpenAI 兼容服务端", "OpenAI 兼容的服务器"],
+    "throughput": ["吞吐率"],
+    "roofline": ["屋顶线", "屋顶模型"],
+    "tensor parallelism": ["张量平行", "张量并行化"],
+    "disaggregated prefill": ["P/D 分离", "预填充解码分离", "分离式预填充"],
+    "context parallelism": ["语境并行", "上下文并行化"],
+    "zigzag split": ["之字形切分", "锯齿切分", "Z 字形切分", "zigzag 划分"],
+    "rank": ["秩"],
+    "all-gather": ["全收集", "全聚合"],
+    "capstone": ["毕业项目", "顶点项目", "结业项目"],
+}
+
+CJK = "\u3400-\u4dbf\u4e00-\u9fff"
+_FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+_INLINE_CODE = re.compile(r"`[^`\n]+`")
+_LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
+_URL = re.compile(r"https?://\S+")
+_TAG = re.compile(r"<[^>\n]+>")
+
+
+@dataclass(frozen=True)
+class GlossaryTerm:
+    """One row of docs/glossary.md."""
+
+    english: str  # first column, e.g. "chunked prefill"
+    zh: str  # second column exactly as written, e.g. "分块预填充" or "`slot_mapping`"
+    definition: str
+    chapter: str  # link text, e.g. "01"
+    chapter_path: Path  # the linked notebook, resolved from docs/
+
+    @property
+    def zh_plain(self) -> str:
+        """The Chinese form without markdown backticks, as it reads in text."""
+        return self.zh.strip("`")
+
+
+def table_rows(markdown: str) -> list[list[list[str]]]:
+    """Every pipe table of `markdown`, in order: a list of tables, each a list of rows, each a list of cells.
+
+    The header row is included; the `|---|` separator row is not. Fenced code is skipped.
+    """
+    tables: list[list[list[str]]] = []
+    current: list[list[str]] | None = None
+    for line in _FENCE.sub("", markdown).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("|") and stripped.endswith("|"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", stripped[1:-1])]
+            if current is None:
+                current = []
+                tables.append(current)
+            if not all(re.fullmatch(r":?-+:?", c) for c in cells):
+                current.append(cells)
+        else:
+            current = None
+    return tables
+
+
+@functools.lru_cache(maxsize=None)
+def _glossary_terms(path: str) -> tuple[GlossaryTerm, ...]:
+    text = Path(path).read_text(encoding="utf-8")
+    tables = [t for t in table_rows(text) if t and t[0][:2] == ["English term", "中文"]]
+    if len(tables) != 1:
+        raise AssertionError(f"{path}: expected one table headed 'English term | 中文 | ...', found {len(tables)}")
+    terms = []
+    for row in tables[0][1:]:
+        if len(row) != 4:
+            raise AssertionError(f"{path}: a glossary row needs 4 cells, got {len(row)}: {row}")
+        link = re.fullmatch(r"\[([^\]]+)\]\(([^)]+)\)", row[3])
+        if link is None:
+            raise AssertionError(f"{path}: the chapter cell of {row[0]!r} is not one markdown link: {row[3]!r}")
+        terms.append(
+            GlossaryTerm(
+                english=row[0],
+                zh=row[1],
+                definition=row[2],
+                chapter=link.group(1),
+                chapter_path=(Path(path).parent / link.group(2)).resolve(),
+            )
+        )
+    return tuple(terms)
+
+
+def glossary_terms(path: Path | str = GLOSSARY) -> list[GlossaryTerm]:
+    """The rows of the glossary table, in order (parsed once per path)."""
+    return list(_glossary_terms(str(Path(path).resolve())))
+
+
+def mask_code(text: str, placeholder: str = "CODE") -> str:
+    """`text` with fenced code blocks removed and inline code, URLs and HTML tags replaced.
+
+    Inline code becomes `placeholder` (Latin letters), so "调用`f`" still reads as Chinese touching English;
+    a markdown link keeps its text; bold/italic markers are dropped.
+    """
+    text = _FENCE.sub("\n", text)
+    text = _INLINE_CODE.sub(placeholder, text)
+    text = _LINK.sub(r"\1", text)
+    text = _URL.sub(placeholder, text)
+    text = _TAG.sub("", text)
+    return text.replace("**", "").replace("*", "")
+
+
+def _context(text: str, start: int, end: int, width: int = 12) -> str:
+    return text[max(0, start - width) : end + width].replace("\n", " ")
+
+
+def glossary_violations(text: str, terms: list[GlossaryTerm] | None = None) -> list[str]:
+    """Known wrong variants of glossary terms used in `text` (code masked): one message per occurrence.
+
+    An occurrence is allowed when it lies inside an occurrence of a glossary form that contains the variant
+    (e.g. "预填充" inside "分块预填充").
+    """
+    terms = glossary_terms() if terms is None else terms
+    by_english = {t.english: t for t in terms}
+    unknown = sorted(set(VARIANTS) - set(by_english))
+    if unknown:
+        raise AssertionError(f"VARIANTS names terms that are not in the glossary: {unknown}")
+    prose = mask_code(text)
+    forms = [t.zh_plain for t in terms]
+    found: list[tuple[int, int, str]] = []
+    for english, variants in VARIANTS.items():
+        chosen = by_english[english].zh_plain
+        for variant in variants:
+            covers = [f for f in forms if variant in f and f != variant]
+            allowed: list[tuple[int, int]] = []
+            for form in covers:
+                allowed += [(m.start(), m.end()) for m in re.finditer(re.escape(form), prose)]
+            for m in re.finditer(re.escape(variant), prose):
+                if any(s <= m.start() and m.end() <= e for s, e in allowed):
+                    continue
+                message = (f"{variant!r} is not the glossary's form for {english!r}: write {chosen!r} "
+                           f"(…{_context(prose, m.start(), m.end())}…)")
+                found.append((m.start(), m.end(), message))
+    # One message per wrong phrase: "预填充" inside a reported "分段预填充" is not reported again.
+    kept = [f for f in found if not any(g[0] <= f[0] and f[1] <= g[1] and g[1] - g[0] > f[1] - f[0] for g in found)]
+    return [message for _, _, message in sorted(kept)]
+
+
+_SPACING = re.compile(rf"(?=([{CJK}][A-Za-z0-9]|[A-Za-z0-9][{CJK}]))")
+# Half-width punctuation touching Chinese: after a Chinese character, or before one.
+_HALF_WIDTH = re.compile(rf"[{CJK}] ?[,.;:?!()]|[,;:?!()] ?[{CJK}]")
+
+
+def spacing_violations(text: str) -> list[str]:
+    """Places where a Chinese character touches an English letter, a digit or inline code without a space."""
+    prose = mask_code(text)
+    return [
+        f"no space between Chinese and English/digits: …{_context(prose, m.start(), m.start() + 2)}…"
+        for m in _SPACING.finditer(prose)
+    ]
+
+
+def punctuation_violations(text: str) -> list[str]:
+    """Half-width , . ; : ? ! ( ) written next to Chinese characters (Chinese sentences use ，。；：？！（）)."""
+    prose = mask_code(text)
+    return [
+        f"half-width punctuation in a Chinese sentence: …{_context(prose, m.start(), m.end())}…"
+        for m in _HALF_WIDTH.finditer(prose)
+    ]
+
+
+def chinese_problems(text: str, terms: list[GlossaryTerm] | None = None) -> list[str]:
+    """All of glossary_violations, spacing_violations and punctuation_violations for `text`."""
+    return glossary_violations(text, terms) + spacing_violations(text) + punctuation_violations(text)
+
+
+def has_chinese(text: str) -> bool:
+    return re.search(f"[{CJK}]", text) is not None
+
+
+# ---- README parity -------------------------------------------------------------------------------------------
+
+
+def fenced_blocks(markdown: str) -> list[str]:
+    """The fenced code blocks of `markdown`, fences included, in order."""
+    return [m.group(0).strip() for m in _FENCE.finditer(markdown)]
+
+
+_COMMAND = re.compile(r"^(?:(?:make|python|\.venv/bin/python|pip|conda|nbgrader|source)(?:\s|$)|d=\$\()")
+
+
+def inline_commands(markdown: str) -> list[str]:
+    """Inline code spans of `markdown` that are shell commands (`make …`, `python …`, `pip …`, ...).
+
+    Whitespace is normalised, since a span may wrap across lines.
+    """
+    body = _FENCE.sub("", markdown)
+    spans = [" ".join(m.group(1).split()) for m in re.finditer(r"`([^`]+)`", body)]
+    return [s for s in spans if _COMMAND.match(s)]
+
+
+def inline_code_spans(markdown: str) -> set[str]:
+    """Every inline code span of `markdown` (whitespace normalised)."""
+    body = _FENCE.sub("", markdown)
+    return {" ".join(m.group(1).split()) for m in re.finditer(r"`([^`]+)`", body)}
+
+
+_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:[ ,\u202f]\d{3})+(?![\d.])")
+_NUMBER = re.compile(r"\d+(?:\.\d+)*(?:e[-+]?\d+)?")
+
+
+def numbers(text: str) -> set[str]:
+    """The numbers written in `text`, as strings: "7 429" and "7,429" both give "7429", "1e-3" stays "1e-3".
+
+    Dates and versions split on their separators ("2026-11-30" gives 2026, 11, 30; "0.33.0" stays one).
+    """
+    text = _THOUSANDS.sub(lambda m: re.sub(r"[ ,\u202f]", "", m.group(0)), text)
+    return set(_NUMBER.findall(text))
+
+
+def headings(markdown: str, level: int) -> list[str]:
+    """The headings of exactly `level` (#, ##, ...) outside fenced code, in order."""
+    prefix = "#" * level + " "
+    return [line[len(prefix) :].strip() for line in _FENCE.sub("", markdown).splitlines() if line.startswith(prefix)]
+
+
+def course_table(markdown: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The course table's rows as (chapter number, the backticked notebook names of its 2nd cell)."""
+    for table in table_rows(markdown):
+        body = table[1:]
+        if body and body[0][0] == "00" and "`00_welcome`" in body[0][1]:
+            return [(row[0], tuple(re.findall(r"`([^`]+)`", row[1]))) for row in body]
+    raise AssertionError("no course table (a table whose first row is 00 | `00_welcome` | ...)")
+
+
+def exercise_table(markdown: str) -> list[str]:
+    """The chapter numbers of the exercises table (the table whose header has two cells, chapter first)."""
+    for table in table_rows(markdown):
+        if len(table[0]) == 2 and len(table) > 1 and all(re.fullmatch(r"\d\d", row[0]) for row in table[1:]):
+            return [row[0] for row in table[1:]]
+    raise AssertionError("no exercises table (two columns, the first a two-digit chapter number)")

@@ -96,12 +96,35 @@ VARIANTS: dict[str, list[str]] = {
     "capstone": ["毕业项目", "顶点项目", "结业项目"],
 }
 
+# The learners' questions Q1-Q8 in their own words (notebook 00's table, each notebook's "Learner question" cell).
+# They are quoted verbatim, with the asker's spacing and punctuation, so the checks below skip them.
+LEARNER_ORIGINALS: dict[str, str] = {
+    "Q1": "一个长输入的请求，切chunk ，比如切了4份，prefill的时候，这四个可以同时做prefill 吗 ，还是有依赖关系的",
+    "Q2": "前面的chunk 应该只需要计算kvcache就行了吧，计算kvcache应该可以独立计算，只有最后一个chunk 依赖前面chunk生成的kvcache",
+    "Q3": "不是只需要最后一个chunk 做attention计算吗，前面的chunk 应该不需要做attention计算吧",
+    "Q4": "为什么所有chunk都需要做attention计算",
+    "Q5": "max_completion_tokens 这个是什么参数",
+    "Q6": "为什么计算 total_num_scheduled_tokens 的时候，把waiting队列里的也统计进去了，执行的时候，不是只执行running队列里的请求吗",
+    "Q7": "所以running队列和waiting队列没有优先级？不是先从waiting到running，然后再从running队列里调度吗？",
+    "Q8": "sampled_token_ids 的shape信息是什么样的？",
+}
+
 CJK = "\u3400-\u4dbf\u4e00-\u9fff"
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 _INLINE_CODE = re.compile(r"`[^`\n]+`")
 _LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
 _URL = re.compile(r"https?://\S+")
 _TAG = re.compile(r"<[^>\n]+>")
+
+
+def _verbatim_pattern(original: str) -> re.Pattern[str]:
+    """`original`, allowed to wrap over lines (of a markdown quote) between any two characters."""
+    wrap = r"(?:[ \t]*\n[ \t>]*)?"
+    parts = [r"\s+" if ch == " " else re.escape(ch) for ch in original]
+    return re.compile(wrap.join(parts))
+
+
+_ORIGINAL_PATTERNS = [_verbatim_pattern(q) for q in LEARNER_ORIGINALS.values()]
 
 
 @dataclass(frozen=True)
@@ -175,9 +198,12 @@ def mask_code(text: str, placeholder: str = "CODE") -> str:
     """`text` with fenced code blocks removed and inline code, URLs and HTML tags replaced.
 
     Inline code becomes `placeholder` (Latin letters), so "调用`f`" still reads as Chinese touching English;
-    a markdown link keeps its text; bold/italic markers are dropped.
+    a markdown link keeps its text; bold/italic markers are dropped. The learners' verbatim questions
+    (LEARNER_ORIGINALS, also when wrapped over lines of a `>` quote) become a pair of quotes.
     """
     text = _FENCE.sub("\n", text)
+    for pattern in _ORIGINAL_PATTERNS:
+        text = pattern.sub("“”", text)
     text = _INLINE_CODE.sub(placeholder, text)
     text = _LINK.sub(r"\1", text)
     text = _URL.sub(placeholder, text)

@@ -86,6 +86,8 @@ def test_one_wrong_part_is_caught_and_named(model, tokenizer, part, wrong, field
         check_capstone(parts, model, tokenizer, run_engine)
     assert info.value.part == part and field in info.value.field, str(info.value)
     assert f"your {part}" in str(info.value) and "step " in str(info.value)
+    if part != "scheduler_cls":  # head-first freeing and positions from 0 are slips the checker explains
+        assert "Likely cause:" in str(info.value), str(info.value)
 
 
 @pytest.mark.slow
@@ -104,3 +106,12 @@ def test_engine_parts_reject_what_is_not_a_part():
         EngineParts(free=3)
     assert EngineParts().replaced() == []
     assert EngineParts(free=free_head_first).replaced() == ["free"]
+
+
+def test_missing_parts_are_listed_together_with_the_line_to_use():
+    with pytest.raises(AssertionError) as info:
+        load_learner_parts(ROOT / "exercises").engine_parts(use_reference_for={"attention", "free"})
+    msg = str(info.value)
+    assert "Also missing:" in msg and "part 'prepare_inputs'" in msg and "part 'free'" not in msg
+    names = [n for n in PART_NAMES if n not in ("attention", "free")]
+    assert "USE_REFERENCE_FOR = {" + ", ".join(repr(n) for n in names) + "}" in msg

@@ -32,13 +32,37 @@ _SOURCE = {s.part: s for s in PART_SOURCES}
 
 
 class PartMismatch(AssertionError):
-    """A learner's part gave another result than the reference part on the same inputs (or raised)."""
+    """A learner's part gave another result than the reference part on the same inputs (or raised).
 
-    def __init__(self, part: str, step: int, field: str, detail: str) -> None:
-        self.part, self.step, self.field, self.detail = part, step, field, detail
+    Attributes:
+        part, step, field, detail: what differs, where. ``why``: the likely slip, when it is a known one ("").
+    """
+
+    def __init__(self, part: str, step: int, field: str, detail: str, why: str = "", label: str = "your") -> None:
+        self.part, self.step, self.field, self.detail, self.why = part, step, field, detail, why
         src = _SOURCE[part]
-        super().__init__(f"step {step}: your {part} ({src.what}; Exercise {', '.join(src.exercises)} in "
-                         f"{src.notebook}) differs from the reference on the same inputs: {field}: {detail}")
+        super().__init__(f"step {step}: {label} {part} ({src.what}; Exercise {', '.join(src.exercises)} in "
+                         f"{src.notebook}) differs from the reference on the same inputs: {field}: {detail}"
+                         + (f"\nLikely cause: {why}" if why else ""))
+
+
+def _likely_slip(part: str, field: str, got: Any, want: Any) -> str:
+    """A known mistake that explains a difference, in a sentence (as the chapters' own checks say), or ""."""
+    if part == "free" and "free queue" in field and isinstance(got, list) and isinstance(want, list):
+        if sorted(got) == sorted(want) and got != want:
+            return ("the same blocks are free but in another order. Free a request's blocks tail first (last block "
+                    "first), unhashed ones to the front of the queue and hashed ones to the back (exercise 2.5).")
+    if part == "scheduler_cls" and "waiting queue" in field and sorted(got) == sorted(want):
+        return ("the same requests wait, in another order. A preempted request goes back to the FRONT of the "
+                "waiting queue (prepend_request), so it runs again before newcomers (exercise 4.3).")
+    if part == "prepare_inputs" and field == "positions":
+        return ("positions are absolute: the j-th scheduled token of a request sits at num_computed_tokens + j, not "
+                "at j (exercise 6.1).")
+    if part == "allocate_slots" and "returned block ids" in field and got is not None and want is not None:
+        if len(got) > len(want):
+            return ("more blocks than needed: count the blocks for num_computed_tokens + num_new_tokens tokens and "
+                    "subtract the blocks the request already holds (exercise 2.2).")
+    return ""
 
 
 def _ids(blocks: Sequence[Any] | None) -> list[int] | None:
@@ -62,9 +86,11 @@ class PartChecker:
     """
 
     def __init__(self, learner: EngineParts, reference: EngineParts | None = None, atol: float = 1e-4,
-                 rtol: float = 1e-4) -> None:
+                 rtol: float = 1e-4, label: str = "your") -> None:
         self.learner = learner
         self.reference = reference if reference is not None else EngineParts()
+        self.label = label
+        self.added: list[tuple[str, list[int]]] = []  # (request id, prompt token ids), in the order they were added
         self.atol, self.rtol = atol, rtol
         self.step = 0
         self.calls = dict.fromkeys(PART_NAMES, 0)
@@ -78,9 +104,9 @@ class PartChecker:
         except PartMismatch:
             raise
         except NotImplementedError as e:
-            raise PartMismatch(part, self.step, "not solved", str(e)) from e
+            raise PartMismatch(part, self.step, "not solved", str(e), label=self.label) from e
         except Exception as e:  # noqa: BLE001 - the learner's code failed: name it, keep the original as cause
-            raise PartMismatch(part, self.step, "raised", f"{type(e).__name__}: {e}") from e
+            raise PartMismatch(part, self.step, "raised", f"{type(e).__name__}: {e}", label=self.label) from e
 
     def _same(self, part: str, field: str, got: Any, want: Any) -> None:
         if isinstance(want, np.ndarray):
@@ -89,7 +115,7 @@ class PartChecker:
         msg = _compare(got, want, self.atol, self.rtol) if isinstance(want, torch.Tensor) else (
             None if got == want else f"yours {got!r}, reference {want!r}")
         if msg:
-            raise PartMismatch(part, self.step, field, msg)
+            raise PartMismatch(part, self.step, field, msg, _likely_slip(part, field, got, want), self.label)
 
     # -- the parts --------------------------------------------------------------------------------------------------
     def parts(self) -> EngineParts:
@@ -124,7 +150,9 @@ class PartChecker:
         if list(got) != list(want):
             first = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
             raise PartMismatch("block_hashes", self.step, f"hashes of {len(token_ids)} tokens",
-                               f"{len(got)} hashes vs the reference's {len(want)}; first difference at block {first}")
+                               f"{len(got)} hashes vs the reference's {len(want)}; first difference at block {first}",
+                               "each block's hash must chain its parent's hash (exercise 2.3)" if first else "",
+                               self.label)
         return got
 
     def _num_cached_tokens(self, block_hashes: Sequence[Any], num_tokens: int, block_size: int, cached: Any) -> int:
@@ -177,6 +205,10 @@ class PartChecker:
         class CheckedScheduler(learner_cls):  # type: ignore[valid-type, misc]
             """The learner's scheduler; each ``schedule()`` also runs the reference scheduler on a copy of it."""
 
+            def add_request(self, request):  # noqa: ANN001, ANN202
+                checker.added.append((request.request_id, list(request.prompt_token_ids)))
+                return super().add_request(request)
+
             def schedule(self):  # noqa: ANN202
                 checker.step += 1
                 before = {r.request_id: r.num_computed_tokens for r in self.running}
@@ -190,7 +222,8 @@ class PartChecker:
                 except PartMismatch:
                     raise
                 except Exception as e:  # noqa: BLE001
-                    raise PartMismatch("scheduler_cls", checker.step, "raised", f"{type(e).__name__}: {e}") from e
+                    raise PartMismatch("scheduler_cls", checker.step, "raised", f"{type(e).__name__}: {e}",
+                                       label=checker.label) from e
                 checker._compare_schedules(got, want, self, ref)
                 checker.trace.append((dict(got.num_scheduled_tokens), set(got.preempted_req_ids), before))
                 return got
@@ -286,6 +319,8 @@ class CapstoneResult:
         expected: per greedy request, transformers' tokens (``None`` for the sampled request).
         checker: the :class:`PartChecker` (calls per part, the per-step trace).
         num_preemptions / num_cached_prompt_tokens / num_chunked_prompts: evidence the workload needed each part.
+        request_ids: the id ``run_engine`` gave each prompt, in prompt order (to read ``checker.trace``).
+        package_parts: the parts that were the package's own (``use_reference_for``), not the learner's.
     """
 
     tokens: list[list[int]]
@@ -294,9 +329,17 @@ class CapstoneResult:
     num_preemptions: int
     num_cached_prompt_tokens: int
     num_chunked_prompts: int
+    request_ids: list[str] = dataclasses.field(default_factory=list)
+    package_parts: frozenset[str] = frozenset()
+
+    @property
+    def labels(self) -> list[str]:
+        """A short label per prompt: the questions, then the sampled prompt."""
+        return [*CAPSTONE_QUESTIONS, f"{SAMPLED_PROMPT!r} (sampled)"]
 
     def summary(self) -> str:
-        calls = ", ".join(f"{k} {v}" for k, v in self.checker.calls.items())
+        calls = ", ".join(f"{k} {v}" + (" (package)" if k in self.package_parts else "")
+                          for k, v in self.checker.calls.items())
         return (f"{self.checker.step} steps; {self.num_chunked_prompts} prompts prefilled in chunks, "
                 f"{self.num_cached_prompt_tokens} prompt tokens from the prefix cache, {self.num_preemptions} "
                 f"preemption(s).\nChecked calls per part: {calls}.")
@@ -304,7 +347,7 @@ class CapstoneResult:
 
 def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: Any,
                    run_engine: Callable[[Any, list[list[int]], list[Any]], list[list[int]]],
-                   use_reference_for: Sequence[str] = ()) -> CapstoneResult:
+                   use_reference_for: Sequence[str] = (), label: str = "your") -> CapstoneResult:
     """Run the learner's parts as the engine on the capstone workload; raise ``AssertionError`` naming the first
     missing part, the first part that disagrees with the reference (step, part, field), or the first token that
     differs from transformers.
@@ -314,14 +357,14 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
         model, tokenizer: SmolLM2 as :func:`minillm.load_model` returns it.
         run_engine: exercise 8.1, ``run_engine(engine, prompts, params) -> output token ids per prompt``.
         use_reference_for: parts to take from the package instead of the learner's notebooks.
+        label: how reports name the parts under test ("your scheduler_cls ...").
     """
     from minillm.engine.arg_utils import EngineArgs
     from minillm.engine.llm_engine import LLMEngine
 
     parts = learner.engine_parts(use_reference_for) if isinstance(learner, LearnerParts) else learner
-    if parts.attention is None:  # the package's backend: still check through the per-request path
-        parts = dataclasses.replace(parts, attention=EngineParts().attention)
-    checker = PartChecker(parts)
+    package_parts = frozenset(set(PART_NAMES) - set(parts.replaced()))
+    checker = PartChecker(parts, label=label)
     engine = LLMEngine(model, tokenizer, EngineArgs(**CAPSTONE_ARGS), parts=checker.parts())
     prompts, params = capstone_requests(tokenizer)
     tokens = run_engine(engine, [list(p) for p in prompts], params)
@@ -351,8 +394,10 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
     # A prompt prefilled in chunks runs several steps with more than one token (a decode step has one).
     multi = [rid for sched, _, _ in checker.trace for rid, n in sched.items() if n > 1]
     num_chunked = sum(1 for rid in set(multi) if multi.count(rid) > 1)
+    by_prompt = {tuple(ids): rid for rid, ids in checker.added}
+    request_ids = [by_prompt.get(tuple(p), "?") for p in prompts]
     result = CapstoneResult([list(t) for t in tokens], expected, checker, engine.stats.num_preemptions,
-                            engine.stats.num_cached_prompt_tokens, num_chunked)
+                            engine.stats.num_cached_prompt_tokens, num_chunked, request_ids, package_parts)
     # The workload must have needed every part, or "it agrees" would prove little.
     assert result.num_preemptions >= 1, "the capstone workload caused no preemption"
     assert result.num_cached_prompt_tokens > 0, "the capstone workload had no prefix-cache hit"

@@ -101,12 +101,17 @@ class LearnerParts:
         unknown = skip - set(PART_NAMES)
         if unknown:
             raise ValueError(f"use_reference_for: unknown part(s) {sorted(unknown)}; the parts are {list(PART_NAMES)}")
-        for s in self.status:
-            if not s.solved and s.source.part not in skip:
-                raise AssertionError(
-                    f"part {s.source.part!r} ({s.source.what}) is missing: {s.message}. Solve it in "
-                    f"{self.folder / s.source.notebook} and save the notebook, or pass "
-                    f"use_reference_for={{{s.source.part!r}}} to run the package's own.")
+        missing = [s for s in self.status if not s.solved and s.source.part not in skip]
+        if missing:
+            first = missing[0]
+            others = "".join(f"\n  - part {s.source.part!r} ({s.source.what}): {s.message}" for s in missing[1:])
+            names = ", ".join(repr(s.source.part) for s in missing)
+            raise AssertionError(
+                f"part {first.source.part!r} ({first.source.what}) is missing: {first.message}. Solve it in "
+                f"{self.folder / first.source.notebook} and save the notebook."
+                + (f"\nAlso missing:{others}" if others else "")
+                + f"\nTo run the capstone now with the package's own part(s) in their place, set "
+                  f"USE_REFERENCE_FOR = {{{names}}}")
         return EngineParts(**{s.source.part: s.value for s in self.status if s.source.part not in skip})
 
     def table(self) -> str:

@@ -41,7 +41,8 @@ def _ink(png: bytes) -> float:
 def test_render_png_leaves_pyplot_alone():
     plt.close("all")
     png = render_png(lambda fig: fig.add_subplot().bar([0, 1], [1, 2]), (3, 2), dpi=50)
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and _pixels(png).shape == (100, 150, 3)
+    h, w, c = _pixels(png).shape  # about 3 x 2 inches at 50 dpi: the tight bounding box trims the white margin
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and c == 3 and 85 <= h <= 100 and 130 <= w <= 150
     assert _ink(png) > 0.05
     assert plt.get_fignums() == []
 
@@ -96,3 +97,12 @@ def test_block_table_clicks_redraw_without_pyplot():
     text = "".join(h.value for h in _find(ui, "HTML"))
     assert "freed" in text and "free queue" in text
     assert plt.get_fignums() == []
+
+
+def test_render_png_keeps_a_legend_outside_the_axes():
+    """The block-table widget puts its legend right of the axes: the PNG must grow to hold it, not cut it off."""
+    def draw(fig):
+        ax = fig.add_subplot()
+        ax.bar([0, 1], [1, 2], label="free, cached")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    assert _pixels(render_png(draw, (3, 2), dpi=50)).shape[1] > 150

@@ -38,7 +38,7 @@ def render_png(draw: Callable[["matplotlib.figure.Figure"], None], figsize: tupl
         FigureCanvasAgg(fig)
         draw(fig)
         buf = io.BytesIO()
-        fig.savefig(buf, format="png")
+        fig.savefig(buf, format="png", bbox_inches="tight")  # legends outside the axes stay in the picture
     return buf.getvalue()
 
 

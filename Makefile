@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab test test-portable test-browser exercises clean
+.PHONY: setup lab test test-portable test-browser exercises clean classroom classroom-demo test-classroom
 
 # Re-running is fast: the stamp is newer than the files that decide what is installed.
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -28,6 +28,22 @@ $(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
 
 setup: $(STAMP) $(LAB_OVERRIDES)
 
+# Teachers (README, "For teachers"): nbgrader, the [classroom] extra, in the same .venv. `make lab` does not need it;
+# `make test` installs it, so CI runs the nbgrader tests (tests/test_nbgrader.py skips them where it is missing).
+CLASSROOM_STAMP := $(VENV)/.classroom-installed
+$(CLASSROOM_STAMP): $(STAMP) pyproject.toml requirements/constraints.txt
+	$(PY) -m pip install -q -c requirements/constraints.txt -e ".[classroom]"
+	touch $(CLASSROOM_STAMP)
+
+classroom: setup $(CLASSROOM_STAMP)
+
+# An nbgrader course directory built from solutions/, and three sample students (solved, unsolved, half-solved)
+# autograded on chapter 00: prints their scores from the gradebook. CLASSROOM_DIR and DEMO choose where and what.
+CLASSROOM_DIR ?= build/classroom-demo
+DEMO ?= 00_warmup
+classroom-demo: classroom
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m minillm.exercises nbgrader $(CLASSROOM_DIR) --demo $(DEMO)
+
 # Served from the repository root, so notebooks/, exercises/ and solutions/ are all reachable.
 # LAB_ARGS passes extra options, e.g. make lab LAB_ARGS="--no-browser --port=8899"
 # Jupyter refuses to run as root without --allow-root (containers, CI).
@@ -38,7 +54,7 @@ lab: setup
 # Two xdist workers on CI's 2 cores: one BLAS thread each, or they fight over the cores (measured: 10x slower).
 # --dist loadfile keeps each notebook (whose cells are test items sharing one kernel) on one worker.
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300
-test: setup
+test: setup classroom
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests notebooks solutions $(NBVAL)
 
 # Run before storing notebooks (README, "Contributing"): nbval as on another CPU (PyTorch's baseline kernels, no
@@ -51,6 +67,10 @@ test-portable: setup
 # Every lesson run top to bottom in JupyterLab in Chromium (Run All), as after `make lab`; plus the widget clicks.
 test-browser: setup
 	$(PY) -m pytest -p no:xdist tests/test_browser.py tests/browser_run_all.py
+
+# The nbgrader test over every chapter, capstone included, each graded twice (the fast `make test` grades 00, 02, 04).
+test-classroom: classroom
+	MINILLM_NBGRADER_CHAPTERS=all OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -p no:xdist tests/test_nbgrader.py
 
 exercises: setup
 	$(PY) -m minillm.exercises build

@@ -379,3 +379,34 @@ def test_exercise_cells_only_define_the_names_chapter_8_loads():
                         defined[node.name] = [a.arg for a in node.args.args]
     for fn, args in SIGNATURES.items():
         assert defined.get(fn) == args, f"{fn} must keep the signature ({', '.join(args)}), got {defined.get(fn)}"
+
+
+@pytest.mark.slow
+def test_00_1_a_float_is_not_a_byte_count(model_loaded_once):
+    assert "a byte count is an int" in caught(NB00, "0.1", kv_bytes_per_token=lambda config, dtype_bytes: float(
+        config.kv_cache_bytes_per_token(dtype_bytes)))
+
+
+@pytest.mark.slow
+def test_00_2_recomputing_without_a_cache_and_tensor_tokens_are_caught(model_loaded_once):
+    """Found by a learner's walkthrough: both gave the right token values, so comparing values alone passed them."""
+    import minillm
+
+    model = model_loaded_once[0]
+
+    def no_cache(prompt_ids, max_new_tokens, eos_token_id):
+        ids, out = list(prompt_ids), []
+        with torch.inference_mode():
+            while len(out) < max_new_tokens:
+                token = int(model.compute_logits(model(torch.tensor(ids))[-1:])[0].argmax())
+                out.append(token)
+                ids.append(token)
+                if token == eos_token_id:
+                    break
+        return out
+
+    def tensors(prompt_ids, max_new_tokens, eos_token_id):
+        return [torch.tensor(t) for t in minillm.generate(model, prompt_ids, max_new_tokens, eos_token_id=eos_token_id)]
+
+    assert "with a KV cache the prompt goes in once" in caught(NB00, "0.2", greedy_decode=no_cache)
+    assert "return a list of Python ints" in caught(NB00, "0.2", greedy_decode=tensors)

@@ -9,6 +9,8 @@ Tests of typical mistakes use it to prove that a check fails on them, and says w
 """
 from __future__ import annotations
 
+import itertools
+import linecache
 import os
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,19 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_cell_numbers = itertools.count()
+
+
 def _plain_python(source: str) -> str:
     return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+
+
+def _compile_cell(source: str, label: str):
+    """Compile one cell under a name of its own, with its text in linecache, as IPython does: Triton's
+    interpreter reads a kernel's source back (inspect.getsourcelines), so a kernel defined in a cell needs it."""
+    name = f"<{label}:{next(_cell_numbers)}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    return compile(source, name, "exec")
 
 
 def run_check(solution: str | Path, exercise: str, **replace: Any) -> BaseException | None:
@@ -45,11 +58,11 @@ def run_check(solution: str | Path, exercise: str, **replace: Any) -> BaseExcept
                 if not seen_exercise:
                     raise LookupError(f"{path.name}: the check of exercise {exercise} comes before its exercise cell")
                 try:
-                    exec(compile(_plain_python(cell.source), f"{path.name}:check {exercise}", "exec"), ns)  # noqa: S102
+                    exec(_compile_cell(_plain_python(cell.source), f"{path.name}:check {exercise}"), ns)  # noqa: S102
                 except BaseException as e:  # noqa: BLE001 - the caller asserts on it
                     return e
                 return None
-            exec(compile(_plain_python(cell.source), f"{path.name}:cell", "exec"), ns)  # noqa: S102
+            exec(_compile_cell(_plain_python(cell.source), f"{path.name}:cell"), ns)  # noqa: S102
             if first.startswith(f"# Exercise {exercise}:"):
                 seen_exercise = True
                 missing = [k for k in replace if k not in ns]

@@ -10,11 +10,9 @@ from a learner's notebook.
 from __future__ import annotations
 
 import ast
-import builtins
 import importlib.util
 import inspect
 import itertools
-import linecache
 import re
 from pathlib import Path
 
@@ -25,25 +23,11 @@ import torch
 from minillm.exercises.build import BEGIN
 from minillm.outputs import PLACEHOLDER_TOKEN_ID
 from minillm.request import RequestStatus
-from tests import exercise_helpers
 from tests.exercise_helpers import run_check
 
 ROOT = Path(__file__).resolve().parent.parent
 NB03, NB04, NB05 = "03_triton_prefill_kernel.ipynb", "04_scheduler.ipynb", "05_sampler.ipynb"
 _counter = itertools.count()
-
-
-@pytest.fixture
-def cells_with_source(monkeypatch):
-    """run_check compiles every cell under one file name; Triton's interpreter reads a kernel's source back
-    (inspect.getsourcelines), so a kernel defined in a notebook cell needs its cell's text findable, as IPython makes
-    it. Give each cell its own name in linecache."""
-    def compile_with_source(source, filename, mode):
-        name = f"<{filename}:{next(_counter)}>"
-        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
-        return builtins.compile(source, name, mode)
-
-    monkeypatch.setattr(exercise_helpers, "compile", compile_with_source, raising=False)
 
 
 def caught(solution: str, exercise: str, **wrong) -> str:
@@ -123,13 +107,13 @@ def test_3_1_returning_zero_as_the_max_of_a_masked_row_is_named():
     ([("head * stride_k_head +", "")], "never reads head(s) [1] of K"),
 ], ids=["acc_not_rescaled", "m_not_carried", "unmasked_loads", "no_scale", "no_causal_mask", "strict_causal_mask",
         "no_head_offset"])
-def test_3_2_kernel_loop_mistakes(cells_with_source, tmp_path, edits, why):
+def test_3_2_kernel_loop_mistakes(tmp_path, edits, why):
     kernel = mutated(NB03, "3.2", "my_contiguous_kernel", *edits, header=TRITON_HEADER, tmp_path=tmp_path)
     assert why in caught(NB03, "3.2", my_contiguous_kernel=kernel)
 
 
 @pytest.mark.slow
-def test_3_2_extra_reads_that_the_masks_hide_pass_with_a_note(cells_with_source, tmp_path, capsys):
+def test_3_2_extra_reads_that_the_masks_hide_pass_with_a_note(tmp_path, capsys):
     """Masking the tile with j < num_k instead of j < kv_end reads keys the first program never needs: the result is
     right (the causal mask hides them), so the check passes, but says so."""
     kernel = mutated(NB03, "3.2", "my_contiguous_kernel", ("j_ok = j < kv_end", "j_ok = j < num_k"),
@@ -151,13 +135,13 @@ def test_3_2_extra_reads_that_the_masks_hide_pass_with_a_note(cells_with_source,
     ([(", mask=j_ok, other=0)", ")")], "reads block-table entries past its last block"),
 ], ids=["j_mod_block_size_as_block", "no_block_table", "swapped_strides", "row_is_j", "int32_overflow",
         "unmasked_block_table_load"])
-def test_3_3_block_table_lookup_mistakes(cells_with_source, tmp_path, edits, why):
+def test_3_3_block_table_lookup_mistakes(tmp_path, edits, why):
     lookup = mutated(NB03, "3.3", "my_kv_row_offsets", *edits, header=TRITON_HEADER, tmp_path=tmp_path)
     assert why in caught(NB03, "3.3", my_kv_row_offsets=lookup)
 
 
 @pytest.mark.slow
-def test_03_checks_accept_the_solutions_and_draw_both_kernels(cells_with_source, monkeypatch):
+def test_03_checks_accept_the_solutions_and_draw_both_kernels(monkeypatch):
     import matplotlib.pyplot as plt
 
     assert run_check(NB03, "3.1") is None and run_check(NB03, "3.2") is None

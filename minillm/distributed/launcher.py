@@ -1,18 +1,24 @@
-"""Start one process per rank, hand them prefill jobs, collect their outputs, and fail fast when one fails.
+"""Start one process per rank, hand them jobs, collect their outputs, and fail fast when one fails.
 
-:class:`ContextParallelExecutor` spawns ``world_size`` worker processes (``torch.multiprocessing``, start method
+:class:`MultiprocExecutor` spawns ``world_size`` worker processes (``torch.multiprocessing``, start method
 ``spawn``) that join one gloo process group over loopback and load the model weights the parent saved once (memory
 mapped, so the processes share one copy). Each job runs on the first ``k`` ranks (a sub-group), so one set of
 processes serves 2-rank and 4-rank runs alike. Every wait in the parent has a deadline and every collective in the
 workers has a timeout; the first error a worker reports (preferring the rank that failed by itself over ranks that
-then lost their peer) is raised in the parent as :class:`ContextParallelError` with that rank's traceback.
+then lost their peer) is raised in the parent as :class:`WorkerError` with that rank's traceback.
+
+Two kinds of job: :meth:`MultiprocExecutor.collective_rpc` runs any module-level function on the first ``k`` ranks
+(tensor parallelism and disaggregated prefill in chapter 9 use it), and :meth:`ContextParallelExecutor.prefill` is
+chapter 7's context-parallel prefill.
 
 vLLM counterpart: ``MultiprocExecutor`` (``vllm/v1/executor/multiproc_executor.py``): worker processes per rank,
-a message queue for work, and a monitor that shuts everything down when a worker dies.
+a message queue for work (``collective_rpc`` sends a method name and its arguments to every worker), and a monitor
+that shuts everything down when a worker dies.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import io
 import math
 import numbers
@@ -23,8 +29,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -36,8 +44,31 @@ from minillm.distributed.splits import ContextSplit, make_split
 from minillm.sampling_params import is_int
 
 
-class ContextParallelError(RuntimeError):
+class WorkerError(RuntimeError):
     """A worker rank failed; the message carries its rank and traceback."""
+
+
+class ContextParallelError(WorkerError):
+    """A worker rank of a context-parallel prefill failed (chapter 7's name for :class:`WorkerError`)."""
+
+
+@dataclass
+class WorkerContext:
+    """What a function run by :meth:`MultiprocExecutor.collective_rpc` gets on its rank.
+
+    Attributes:
+        rank: this process's rank in the job (``0 ... world_size - 1``).
+        world_size: ranks in the job.
+        group: the ``torch.distributed`` process group of the job's ranks (gloo).
+        models: name -> the models the executor was given, loaded in this process (full weights, memory-mapped).
+        timeout_s: the job's timeout: every collective the function makes should wait at most this long.
+    """
+
+    rank: int
+    world_size: int
+    group: Any
+    models: dict[str, torch.nn.Module]
+    timeout_s: float
 
 
 @dataclass
@@ -177,6 +208,13 @@ def _worker_main(rank: int, world_size: int, init_file: str, model_files: dict[s
             job = jobs.get()
             if job is None:
                 break
+            if job["kind"] == "rpc":
+                module, _, name = job["fn"].partition(":")
+                fn = getattr(importlib.import_module(module), name)
+                ctx = WorkerContext(rank, job["world_size"], groups[job["world_size"]], models, job["timeout_s"])
+                out = fn(ctx, **_from_bytes(job["kwargs"]))
+                results.put(("result", rank, _to_bytes(out)))
+                continue
             split = make_split(job["num_tokens"], job["world_size"], job["split"])
             fail = job["fail_at_layer"] if job["fail_rank"] == rank else None
             out = context_parallel_forward(models[job["model"]], torch.tensor(job["input_ids"]), split,
@@ -197,8 +235,30 @@ def _worker_main(rank: int, world_size: int, init_file: str, model_files: dict[s
 # parent side
 # ---------------------------------------------------------------------------------------------------------------
 
-class ContextParallelExecutor:
-    """``world_size`` worker processes that prefill prompts together. Use as a context manager.
+def _function_name(fn: Callable[..., Any] | str) -> str:
+    """``"module:name"`` of a module-level function (what a worker imports), checked here in the parent."""
+    if isinstance(fn, str):
+        name = fn
+    else:
+        module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+        if not module or "." in qualname or "<" in qualname or module == "__main__":
+            raise ValueError(f"collective_rpc needs a module-level function of an importable module (workers import "
+                             f"it by name), got {fn!r}")
+        name = f"{module}:{qualname}"
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"a function name must look like 'package.module:function', got {name!r}")
+    try:
+        ok = callable(getattr(importlib.import_module(module), attr))
+    except (ImportError, AttributeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"cannot import the function {name!r}")
+    return name
+
+
+class MultiprocExecutor:
+    """``world_size`` worker processes in one gloo group that run jobs together. Use as a context manager.
 
     Args:
         models: name -> :class:`~minillm.model.llama.LlamaForCausalLM`; weights are saved once to a temporary file
@@ -209,10 +269,11 @@ class ContextParallelExecutor:
 
     Example::
 
-        with ContextParallelExecutor({"smollm": model}, world_size=4) as cp:
-            result = cp.prefill("smollm", input_ids, strategy="ring", split="zigzag")
-            next_token = int(result.logits.argmax())
+        with MultiprocExecutor({"smollm": model}, world_size=3) as ex:
+            outs = ex.collective_rpc(my_module.my_function, world_size=3, kwargs={"n": 4})  # one result per rank
     """
+
+    error_cls: type[WorkerError] = WorkerError
 
     def __init__(self, models: dict[str, torch.nn.Module], world_size: int, timeout_s: float = 60.0,
                  start_timeout_s: float = 180.0) -> None:
@@ -250,73 +311,56 @@ class ContextParallelExecutor:
         """Ranks whose worker process is still running (empty after :meth:`close`)."""
         return [r for r, p in enumerate(self._procs) if p.is_alive()]
 
-    def __enter__(self) -> "ContextParallelExecutor":
+    def __enter__(self) -> "MultiprocExecutor":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def prefill(self, model: str, input_ids: torch.Tensor | list[int], world_size: int | None = None,
-                strategy: str = "allgather", split: str = "plain", timeout_s: float | None = None,
-                fail_rank: int | None = None, fail_at_layer: int = 0, fail_mode: str = "raise"
-                ) -> ContextParallelResult:
-        """Prefill ``input_ids`` on ranks ``0 ... world_size-1``.
+    def collective_rpc(self, fn: Callable[..., Any] | str, world_size: int | None = None,
+                       kwargs: dict[str, Any] | None = None, timeout_s: float | None = None) -> list[Any]:
+        """Run ``fn(ctx, **kwargs)`` on ranks ``0 ... world_size-1`` at once; return their results, by rank.
 
         Args:
-            model: a name given to the constructor.
-            input_ids: ``[num_tokens]`` prompt ids.
+            fn: a module-level function (or ``"module:function"``), imported by name in each worker. It gets a
+                :class:`WorkerContext` (its rank, the job's group, the models, the timeout) and ``kwargs``.
             world_size: ranks to use, ``1 ... self.world_size`` (default all).
-            strategy: ``"allgather"`` or ``"ring"``.
-            split: ``"plain"`` or ``"zigzag"``.
-            timeout_s: timeout of every collective of this job (default: the executor's).
-            fail_rank, fail_at_layer, fail_mode: for tests, make that rank raise (``"raise"``) or stall (``"hang"``)
-                at that layer (``fail_rank`` in ``[0, world_size)`` or ``None``, ``fail_at_layer`` in ``[0,
-                num_layers)``).
+            kwargs: keyword arguments, the same for every rank: plain data (numbers, strings, lists, dicts, tensors),
+                since they travel by value.
+            timeout_s: the job's timeout (default: the executor's); the parent waits that long plus a margin.
+
+        Returns:
+            One result per rank: what ``fn`` returned there (plain data, as for ``kwargs``).
 
         Raises:
-            ValueError: a bad argument (unknown model or strategy or split, ids that are not a 1-D list of ids in
-                ``[0, vocab_size)``, fewer tokens than the split has pieces, a bad ``world_size``, ``timeout_s`` or
-                fault setting). Checked here before anything is sent, so the executor stays usable.
-            ContextParallelError: a rank failed (its traceback is in the message); the executor is then closed.
+            ValueError: a bad argument, checked here before anything is sent (the executor stays usable).
+            WorkerError: a rank failed (its traceback is in the message); the executor is then closed.
         """
         if self.broken:
-            raise ContextParallelError("this executor was closed after an error; start a new one")
-        # Every check happens here, in the parent: a bad argument that reached the workers would fail there, come
-        # back as a worker traceback and close the executor for good.
+            raise self.error_cls("this executor was closed after an error; start a new one")
+        world_size = self._check_world_size(world_size)
+        timeout_s = self.timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
+        job = {"kind": "rpc", "fn": _function_name(fn), "kwargs": _to_bytes(dict(kwargs or {})),
+               "world_size": world_size, "timeout_s": timeout_s}
+        outs = self._run(job, world_size, timeout_s)
+        return [_from_bytes(outs[r]) for r in range(world_size)]
+
+    def _check_world_size(self, world_size: Any) -> int:
         world_size = self.world_size if world_size is None else world_size
         if not is_int(world_size) or not 1 <= world_size <= self.world_size:
             raise ValueError(f"world_size must be an int in [1, {self.world_size}], got {world_size!r}")
-        if model not in self._configs:
-            raise ValueError(f"unknown model {model!r}; have {sorted(self._configs)}")
-        config = self._configs[model]
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        timeout_s = self.timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
-        if fail_rank is not None and (not is_int(fail_rank) or not 0 <= fail_rank < world_size):
-            raise ValueError(f"fail_rank must be None or an int in [0, {world_size}), got {fail_rank!r}")
-        if not is_int(fail_at_layer) or not 0 <= fail_at_layer < config.num_hidden_layers:
-            raise ValueError(f"fail_at_layer must be an int in [0, {config.num_hidden_layers}), got "
-                             f"{fail_at_layer!r}")
-        if fail_mode not in ("raise", "hang"):
-            raise ValueError(f"fail_mode must be 'raise' or 'hang', got {fail_mode!r}")
-        ids = _check_input_ids(input_ids, config.vocab_size)
-        the_split = make_split(len(ids), world_size, split)  # the split kind, and enough tokens for its pieces
-        job = {"model": model, "input_ids": ids, "num_tokens": len(ids), "world_size": int(world_size),
-               "strategy": strategy, "split": split, "timeout_s": timeout_s,
-               "fail_rank": None if fail_rank is None else int(fail_rank), "fail_at_layer": int(fail_at_layer),
-               "fail_mode": fail_mode}
-        t0 = time.perf_counter()
+        return int(world_size)
+
+    def _run(self, job: dict[str, Any], world_size: int, timeout_s: float) -> dict[int, Any]:
+        """Send ``job`` to ranks ``0 ... world_size-1`` and collect one result from each."""
         try:
             for r in range(world_size):
                 self._jobs[r].put(job)
-            outs = self._collect("result", world_size, timeout_s + 30.0)
+            return self._collect("result", world_size, timeout_s + 30.0)
         except BaseException:
             # Interrupted (or failed) half-way: the workers may still be in the job; nothing can be reused.
             self.close(graceful=False)
             raise
-        wall = time.perf_counter() - t0
-        ranks = [RankPrefillOutput(**_from_bytes(outs[r])) for r in range(world_size)]
-        return ContextParallelResult(the_split, strategy, ranks, wall)
 
     def _collect(self, kind: str, count: int, deadline_s: float) -> dict[int, object]:
         """Wait for ``count`` messages of ``kind``; on any error or dead worker, shut down and raise."""
@@ -364,10 +408,10 @@ class ContextParallelExecutor:
             rank, (_, tb) = root
             others = sorted({r for r, _ in errors} - {rank})
             also = f" (ranks {others} then failed too)" if others else ""
-            raise ContextParallelError(f"rank {rank} failed{also}:\n{tb}")
+            raise self.error_cls(f"rank {rank} failed{also}:\n{tb}")
         if errors:  # a worker died or the deadline passed; the others only saw their peer vanish
             message += f" (ranks {sorted(r for r, _ in errors)} then reported communication errors)"
-        raise ContextParallelError(message)
+        raise self.error_cls(message)
 
     def close(self, graceful: bool = True) -> None:
         """Stop the workers (asking them to leave the group, then by force) and delete the temporary weights.
@@ -393,3 +437,71 @@ class ContextParallelExecutor:
                 p.kill()
                 p.join(timeout=5.0)
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class ContextParallelExecutor(MultiprocExecutor):
+    """``world_size`` worker processes that prefill prompts together (chapter 7). Use as a context manager.
+
+    Takes :class:`MultiprocExecutor`'s arguments.
+
+    Example::
+
+        with ContextParallelExecutor({"smollm": model}, world_size=4) as cp:
+            result = cp.prefill("smollm", input_ids, strategy="ring", split="zigzag")
+            next_token = int(result.logits.argmax())
+    """
+
+    error_cls = ContextParallelError
+
+    def prefill(self, model: str, input_ids: torch.Tensor | list[int], world_size: int | None = None,
+                strategy: str = "allgather", split: str = "plain", timeout_s: float | None = None,
+                fail_rank: int | None = None, fail_at_layer: int = 0, fail_mode: str = "raise"
+                ) -> ContextParallelResult:
+        """Prefill ``input_ids`` on ranks ``0 ... world_size-1``.
+
+        Args:
+            model: a name given to the constructor.
+            input_ids: ``[num_tokens]`` prompt ids.
+            world_size: ranks to use, ``1 ... self.world_size`` (default all).
+            strategy: ``"allgather"`` or ``"ring"``.
+            split: ``"plain"`` or ``"zigzag"``.
+            timeout_s: timeout of every collective of this job (default: the executor's).
+            fail_rank, fail_at_layer, fail_mode: for tests, make that rank raise (``"raise"``) or stall (``"hang"``)
+                at that layer (``fail_rank`` in ``[0, world_size)`` or ``None``, ``fail_at_layer`` in ``[0,
+                num_layers)``).
+
+        Raises:
+            ValueError: a bad argument (unknown model or strategy or split, ids that are not a 1-D list of ids in
+                ``[0, vocab_size)``, fewer tokens than the split has pieces, a bad ``world_size``, ``timeout_s`` or
+                fault setting). Checked here before anything is sent, so the executor stays usable.
+            ContextParallelError: a rank failed (its traceback is in the message); the executor is then closed.
+        """
+        if self.broken:
+            raise ContextParallelError("this executor was closed after an error; start a new one")
+        # Every check happens here, in the parent: a bad argument that reached the workers would fail there, come
+        # back as a worker traceback and close the executor for good.
+        world_size = self._check_world_size(world_size)
+        if model not in self._configs:
+            raise ValueError(f"unknown model {model!r}; have {sorted(self._configs)}")
+        config = self._configs[model]
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        timeout_s = self.timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
+        if fail_rank is not None and (not is_int(fail_rank) or not 0 <= fail_rank < world_size):
+            raise ValueError(f"fail_rank must be None or an int in [0, {world_size}), got {fail_rank!r}")
+        if not is_int(fail_at_layer) or not 0 <= fail_at_layer < config.num_hidden_layers:
+            raise ValueError(f"fail_at_layer must be an int in [0, {config.num_hidden_layers}), got "
+                             f"{fail_at_layer!r}")
+        if fail_mode not in ("raise", "hang"):
+            raise ValueError(f"fail_mode must be 'raise' or 'hang', got {fail_mode!r}")
+        ids = _check_input_ids(input_ids, config.vocab_size)
+        the_split = make_split(len(ids), world_size, split)  # the split kind, and enough tokens for its pieces
+        job = {"kind": "prefill", "model": model, "input_ids": ids, "num_tokens": len(ids), "world_size": int(world_size),
+               "strategy": strategy, "split": split, "timeout_s": timeout_s,
+               "fail_rank": None if fail_rank is None else int(fail_rank), "fail_at_layer": int(fail_at_layer),
+               "fail_mode": fail_mode}
+        t0 = time.perf_counter()
+        outs = self._run(job, world_size, timeout_s)
+        wall = time.perf_counter() - t0
+        ranks = [RankPrefillOutput(**_from_bytes(outs[r])) for r in range(world_size)]
+        return ContextParallelResult(the_split, strategy, ranks, wall)

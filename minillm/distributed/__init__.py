@@ -17,3 +17,14 @@ __all__ = ["SPLIT_KINDS", "STRATEGIES", "CollectiveError", "CommStats", "Context
            "ContextParallelError", "ContextParallelExecutor", "ContextParallelResult", "ContextSplit", "Piece",
            "MultiprocExecutor", "RankPrefillOutput", "WorkerContext", "WorkerError", "context_parallel_forward",
            "expected_bytes_per_layer", "make_split"]
+
+# Tensor parallelism (chapter 9): the group and its collectives, the rank's job, the parent's helper, the formulas.
+from minillm.distributed.parallel_state import (TensorParallelGroup, simulate_all_gather,  # noqa: E402
+                                                simulate_all_reduce)
+from minillm.distributed.tensor_parallel import (TensorParallelResult, expected_all_gather_bytes,  # noqa: E402
+                                                 expected_all_reduce_bytes, expected_num_all_reduces,
+                                                 run_tensor_parallel, tp_prefill)
+
+__all__ += ["TensorParallelGroup", "TensorParallelResult", "expected_all_gather_bytes", "expected_all_reduce_bytes",
+            "expected_num_all_reduces", "run_tensor_parallel", "simulate_all_gather", "simulate_all_reduce",
+            "tp_prefill"]

@@ -4,7 +4,7 @@ vLLM counterpart: the Hugging Face ``PretrainedConfig`` that ``vllm/config/model
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,69 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running request needs at least one token per step")
+
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """Which KV connector an engine uses, and in which role (chapter 9: disaggregated prefill).
+
+    Attributes:
+        kv_connector: the connector's class name, e.g. ``"SharedStorageConnector"`` or
+            ``"TorchDistributedConnector"`` (see :mod:`minillm.distributed.kv_transfer.factory`).
+        kv_role: ``"kv_producer"`` (a prefill engine: it saves or sends each prompt's KV), ``"kv_consumer"`` (a
+            decode engine: it loads KV computed elsewhere and counts those tokens as computed) or ``"kv_both"``.
+        kv_connector_extra_config: the connector's own settings (e.g. ``{"shared_storage_path": "/tmp/kv"}``).
+        kv_connector_module_path: import the connector class from this module instead of the built-in ones (how a
+            test or a user plugs in their own connector).
+
+    vLLM counterpart: ``vllm/config/kv_transfer.py:KVTransferConfig`` (same field names; vLLM also has
+    ``kv_load_failure_policy``, default ``"fail"``; minillm always recomputes what failed to load, vLLM's
+    ``"recompute"``).
+    """
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_connector_module_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise ValueError(f"kv_connector must be a connector class name, got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError(f"kv_connector_extra_config must be a dict, got {self.kv_connector_extra_config!r}")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_any(cls, value: "KVTransferConfig | dict | str | None") -> "KVTransferConfig | None":
+        """A config from itself, a dict of its fields, or their JSON text (vLLM's ``--kv-transfer-config``)."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"kv_transfer_config must be a dict or its JSON text, got {value!r} ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a KVTransferConfig, a dict or None, got {value!r}")
+        unknown = sorted(set(value) - {"kv_connector", "kv_role", "kv_connector_extra_config",
+                                       "kv_connector_module_path"})
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown key(s) {unknown}; allowed: kv_connector, kv_role, "
+                             f"kv_connector_extra_config, kv_connector_module_path")
+        if "kv_connector" not in value:
+            raise ValueError("kv_transfer_config needs 'kv_connector' (a connector class name)")
+        return cls(**value)

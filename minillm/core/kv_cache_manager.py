@@ -181,22 +181,28 @@ class KVCacheManager:
                                        preempted=request.num_preemptions > 0)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
-        """Make the request's blocks cover ``num_computed_tokens + num_new_computed_tokens + num_new_tokens`` tokens.
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_external_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make the request's blocks cover ``num_computed_tokens + num_new_computed_tokens +
+        num_external_computed_tokens + num_new_tokens`` tokens.
 
         Args:
             request: the request; ``request.num_computed_tokens`` tokens already have K/V in its blocks.
             num_new_tokens: tokens to compute this step.
             num_new_computed_tokens: tokens found in the prefix cache (first allocation only).
             new_computed_blocks: the blocks :meth:`get_computed_blocks` returned for them.
+            num_external_computed_tokens: tokens a KV connector will load into new blocks before this step's
+                forward pass (chapter 9; first allocation only). They need slots like computed ones, and count as
+                computed once loaded.
 
         Returns:
             The newly allocated blocks (possibly empty, when the last block still has room), or ``None`` if the pool
             cannot hold them; then nothing changed.
         """
-        if num_new_tokens < 0 or num_new_computed_tokens < 0:
-            raise ValueError(f"num_new_tokens ({num_new_tokens}) and num_new_computed_tokens "
-                             f"({num_new_computed_tokens}) must be >= 0")
+        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_external_computed_tokens < 0:
+            raise ValueError(f"num_new_tokens ({num_new_tokens}), num_new_computed_tokens "
+                             f"({num_new_computed_tokens}) and num_external_computed_tokens "
+                             f"({num_external_computed_tokens}) must be >= 0")
         new_computed_blocks = list(new_computed_blocks or [])
         rid = request.request_id
         req_blocks = self.req_to_blocks[rid]
@@ -210,6 +216,8 @@ class KVCacheManager:
                              f" x block_size ({len(new_computed_blocks)} x {self._block_size})")
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        # External tokens are new to this engine's cache: they take fresh slots, as tokens computed here would.
+        num_new_tokens += num_external_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens
         if new_computed_blocks:
             # A hit on a free cached block takes it out of the free queue, so it costs a free block too: check

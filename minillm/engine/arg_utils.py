@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from minillm.attention.paged import BACKENDS
-from minillm.config import SCHEDULING_POLICIES, LlamaConfig, SchedulerConfig
+from minillm.config import SCHEDULING_POLICIES, KVTransferConfig, LlamaConfig, SchedulerConfig
 
 # Used when neither num_gpu_blocks, kv_cache_memory_bytes nor kv_cache_memory_fraction is given.
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 ** 2
@@ -124,6 +124,10 @@ class EngineArgs:
             "prompt_lookup_min": n_min}``: each step, every decoding request proposes up to ``k`` drafts by prompt
             lookup and the model verifies them in the same forward pass (defaults ``k=3``, ``n_max=3``,
             ``n_min=1``).
+        kv_transfer_config: a KV connector (chapter 9: disaggregated prefill), off when ``None``. A
+            :class:`~minillm.config.KVTransferConfig`, a dict of its fields or their JSON text (vLLM's
+            ``--kv-transfer-config``), e.g. ``{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}``.
         dtype: weights, activations and KV cache: ``"auto"`` (fp32 on CPU, fp16 on GPU), ``"float32"``, ...
         device: ``"cpu"``, ``"cuda"``; ``None``: a GPU if there is one.
         seed: seeds the global generator that unseeded random sampling uses.
@@ -144,6 +148,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     speculative_config: dict | None = None
+    kv_transfer_config: KVTransferConfig | dict | None = None
     dtype: str = "auto"
     device: str | None = None
     seed: int = 0
@@ -195,6 +200,7 @@ class EngineArgs:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         device = self.device or default_device()

@@ -59,6 +59,8 @@ class EngineStats:
         num_preemptions: requests preempted (by recompute).
         num_cached_prompt_tokens: prompt tokens served from the prefix cache at admission.
         num_draft_tokens / num_accepted_tokens: speculative decoding's drafts verified, and those the model kept.
+        num_external_prompt_tokens: prompt tokens a KV connector loaded from another engine at admission
+            (chapter 9), counted as computed like prefix-cache hits.
     """
 
     num_steps: int = 0
@@ -68,6 +70,7 @@ class EngineStats:
     num_cached_prompt_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_external_prompt_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -111,11 +114,23 @@ class LLMEngine:
             import kernels  # noqa: F401  (switches on Triton's interpreter without a GPU before any kernel exists)
         self.scheduler: Scheduler = self.parts.scheduler_cls(self.scheduler_config, self.num_gpu_blocks,
                                                              args.block_size, args.enable_prefix_caching, self.parts)
+        # Chapter 9: a KV connector has two halves, one for the scheduler and one for the model runner.
+        self.kv_connector_scheduler = self.kv_connector_worker = None
+        if args.kv_transfer_config is not None:
+            from minillm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
+
+            make = KVConnectorFactory.create_connector
+            self.kv_connector_scheduler = make(args.kv_transfer_config, KVConnectorRole.SCHEDULER, model.config,
+                                               args.block_size)
+            self.kv_connector_worker = make(args.kv_transfer_config, KVConnectorRole.WORKER, model.config,
+                                            args.block_size)
+            self.scheduler.set_kv_connector(self.kv_connector_scheduler)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_id: int | None = eos if eos is not None else model.config.eos_token_id
         self.model_runner = ModelRunner(model, self.num_gpu_blocks, args.block_size, self.attention_backend,
                                         eos_token_id=self.eos_token_id,
-                                        speculative_config=args.speculative_config, parts=self.parts)
+                                        speculative_config=args.speculative_config, parts=self.parts,
+                                        kv_connector=self.kv_connector_worker)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats = EngineStats()
         torch.manual_seed(args.seed)  # the global generator unseeded random sampling draws from
@@ -277,6 +292,12 @@ class LLMEngine:
             self.output_processor.abort_requests([request_id])
             raise
 
+    def shutdown(self) -> None:
+        """Let a KV connector finish what it sends or waits for (chapter 9); a no-op without one."""
+        for connector in (self.kv_connector_worker, self.kv_connector_scheduler):
+            if connector is not None:
+                connector.shutdown()
+
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now and free their KV blocks. Unknown or finished ids are ignored. No output is sent for
         them (the caller already knows)."""
@@ -289,13 +310,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_requests(self) -> bool:
+        """Unfinished requests, or finished ones whose K/V a connector is still sending (chapter 9): keep stepping
+        until this is ``False`` to have every block back."""
+        return self.scheduler.has_requests()
+
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, update. Returns one :class:`RequestOutput` per request that got
         new tokens or finished in this step (a request mid-prefill gets none)."""
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_requests():
             return []
         scheduler_output = None
         try:
@@ -330,7 +356,8 @@ class LLMEngine:
         self.abort_request(scheduled)
 
     def _run_scheduled_step(self, scheduler_output: Any) -> list[RequestOutput]:
-        if scheduler_output.total_num_scheduled_tokens == 0 and not self.scheduler.running:
+        waiting_on_transfers = self.scheduler.num_waiting_for_remote_kvs or self.scheduler.pending_kv_sends
+        if scheduler_output.total_num_scheduled_tokens == 0 and not self.scheduler.running and not waiting_on_transfers:
             # Nothing runs and the first waiting request cannot be admitted: no later step can change that.
             raise RuntimeError(f"the engine cannot make progress: {self.get_num_unfinished_requests()} request(s) "
                                f"wait but none fits the KV cache ({self.get_num_free_blocks()} free blocks)")
@@ -338,7 +365,8 @@ class LLMEngine:
             state = self.output_processor.request_states.get(new.req_id)
             if state is not None:
                 state.num_cached_tokens = new.num_computed_tokens
-                self.stats.num_cached_prompt_tokens += new.num_computed_tokens
+                self.stats.num_cached_prompt_tokens += new.num_computed_tokens - new.num_external_computed_tokens
+                self.stats.num_external_prompt_tokens += new.num_external_computed_tokens
         runner_output = self.model_runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, reqs_to_abort = self.output_processor.process_outputs(core_outputs, runner_output.logprobs)

@@ -17,7 +17,11 @@ Each step it
    token of each request still mid-prefill (``discard_request_mask``: its next token is already known, it is its own
    prompt) and appends the others to their requests. A seeded request's generator is rewound after a discarded
    draw, so chunking the prompt does not change what it samples later;
-5. with speculative decoding (``speculative_config``): a request's scheduled tokens end with its draft tokens, the
+5. with a KV connector (chapter 9): before the forward pass its worker side loads the K/V the scheduler counted as
+   computed (``start_load_kv``), every attention layer waits for its loads and saves its K/V
+   (:class:`~minillm.distributed.kv_transfer.kv_transfer_utils.KVConnectorAttention`), and after it the saves are
+   submitted (``wait_for_save``) and finished transfers reported back (``KVConnectorOutput``);
+6. with speculative decoding (``speculative_config``): a request's scheduled tokens end with its draft tokens, the
    logits of its last ``drafts + 1`` rows go to the :class:`~minillm.sample.rejection_sampler.RejectionSampler`,
    which keeps the drafts the model agrees with and adds one token of its own; then the
    :class:`~minillm.spec_decode.ngram_proposer.NgramProposer` drafts the next step's tokens.
@@ -46,7 +50,9 @@ import torch
 from minillm.attention.metadata import AttentionMetadata
 from minillm.attention.paged import BACKENDS, PagedAttention, allocate_kv_caches
 from minillm.attention.torch_sdpa import TorchSDPAAttention
-from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from minillm.core.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from minillm.distributed.kv_transfer.base import KVConnectorBase_V1
+from minillm.distributed.kv_transfer.kv_transfer_utils import KVConnectorAttention
 from minillm.engine.parts import EngineParts
 from minillm.model.llama import LlamaForCausalLM
 from minillm.outputs import SamplerOutput
@@ -219,6 +225,7 @@ class ModelRunner:
             :func:`~minillm.engine.arg_utils.parse_speculative_config`): propose drafts after each step.
         parts: the engine's replaceable parts (:class:`~minillm.engine.parts.EngineParts`); the runner calls
             ``parts.prepare_inputs``, ``parts.top_k_top_p`` (through its sampler) and, when set, ``parts.attention``.
+        kv_connector: the worker side of a KV connector (chapter 9), or ``None``.
 
     Attributes:
         kv_caches: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads,
@@ -233,7 +240,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  kv_cache_dtype: torch.dtype | None = None, eos_token_id: int | None = None,
-                 speculative_config: dict | None = None, parts: EngineParts | None = None) -> None:
+                 speculative_config: dict | None = None, parts: EngineParts | None = None,
+                 kv_connector: KVConnectorBase_V1 | None = None) -> None:
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.model = model
@@ -256,6 +264,9 @@ class ModelRunner:
         self.last_inputs: BatchInputs | None = None
         self.last_sampler_output: SamplerOutput | None = None
         self.last_step_seconds = 0.0
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.kv_caches)
 
     # -- 1. requests ----------------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -286,12 +297,16 @@ class ModelRunner:
 
     def make_attention(self, md: AttentionMetadata):
         """The :class:`~minillm.attention.backend.AttentionImpl` of one step: ``parts.attention`` request by request
-        when it is set, else the configured backend."""
+        when it is set, else the configured backend; wrapped in the KV connector's layer hooks when there is one."""
         if self.parts.attention is not None:
-            return PagedAttention(self.kv_caches, md, backend="torch", attend=self.parts.attention)
-        if self.attention_backend == "torch":
-            return TorchSDPAAttention(self.kv_caches, md)
-        return PagedAttention(self.kv_caches, md, backend="triton")
+            attn = PagedAttention(self.kv_caches, md, backend="torch", attend=self.parts.attention)
+        elif self.attention_backend == "torch":
+            attn = TorchSDPAAttention(self.kv_caches, md)
+        else:
+            attn = PagedAttention(self.kv_caches, md, backend="triton")
+        if self.kv_connector is not None:
+            return KVConnectorAttention(attn, self.kv_connector, self.kv_caches, md)
+        return attn
 
     # -- 3 + 4. model and sampler ---------------------------------------------------------------------------------
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
@@ -309,6 +324,26 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Returns one row per scheduled request: the tokens it sampled (``[token]`` without drafts),
         or ``[]`` if it is still mid-prefill (its row was sampled and discarded, as vLLM's runner clears it)."""
+        if self.kv_connector is None:
+            return self._execute_model(scheduler_output)
+        # The connector's step: bind the plan, load before the forward pass (layers save during it), then submit
+        # the saves and report what finished. vLLM: KVConnectorModelRunnerMixin._get_kv_connector_output.
+        connector = self.kv_connector
+        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        try:
+            connector.start_load_kv()
+            output = self._execute_model(scheduler_output)
+            connector.wait_for_save()
+            sending, recving = connector.get_finished(set(scheduler_output.finished_req_ids))
+            output.kv_connector_output = KVConnectorOutput(
+                finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                failed_recving=connector.get_failed_recving(),
+                invalid_block_ids=connector.get_block_ids_with_load_errors())
+        finally:
+            connector.clear_connector_metadata()
+        return output
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:

@@ -6,8 +6,8 @@ blocks and where its context starts). The runner keeps the token ids it sampled 
 scheduler one integer per request.
 
 vLLM counterparts: ``vllm/v1/core/sched/output.py`` (``SchedulerOutput``, ``NewRequestData``,
-``CachedRequestData``) and ``vllm/v1/outputs.py`` (``ModelRunnerOutput``); vLLM also carries speculative tokens,
-encoder inputs, LoRA, structured-output and KV-connector fields, left out here.
+``CachedRequestData``) and ``vllm/v1/outputs.py`` (``ModelRunnerOutput``, ``KVConnectorOutput``); vLLM also carries
+encoder inputs, LoRA and structured-output fields, left out here.
 """
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ class NewRequestData:
         prompt_token_ids: the whole prompt.
         sampling_params: how to sample its tokens.
         block_ids: every KV block the request holds, in order (prefix-cache hits first).
-        num_computed_tokens: tokens whose K/V are already in those blocks (a prefix-cache hit; 0 without one). This
-            step's tokens start at this position.
+        num_computed_tokens: tokens whose K/V are already in those blocks (a prefix-cache hit; 0 without one) or
+            are loaded into them by a KV connector before the forward pass (chapter 9). This step's tokens start at
+            this position.
+        num_external_computed_tokens: how many of those a KV connector loads (0 without one).
     """
 
     req_id: str
@@ -35,6 +37,7 @@ class NewRequestData:
     sampling_params: Any
     block_ids: list[int]
     num_computed_tokens: int
+    num_external_computed_tokens: int = 0
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> "NewRequestData":
@@ -87,6 +90,8 @@ class SchedulerOutput:
         finished_req_ids: requests that finished since the previous step; the runner drops their state.
         scheduled_spec_decode_tokens: request id -> the draft tokens it verifies this step (speculative decoding
             only). They are the last ``len(drafts)`` of its ``num_scheduled_tokens``.
+        kv_connector_metadata: with a KV connector (chapter 9), what its worker side loads and saves this step
+            (built by the scheduler side's ``build_connector_meta``); ``None`` without one.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -96,6 +101,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    kv_connector_metadata: Any = None
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
@@ -118,6 +124,7 @@ class ModelRunnerOutput:
             most likely ones), only for requests that asked for ``logprobs``; ``None`` when none did.
         draft_token_ids: per row, the drafts proposed for the next step (speculative decoding only; ``None``
             otherwise). With drafts, ``sampled_token_ids`` holds the accepted drafts then one more token.
+        kv_connector_output: with a KV connector, what its worker side reports back (:class:`KVConnectorOutput`).
     """
 
     req_ids: list[str]
@@ -125,6 +132,30 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[dict[int, float]]] | None = None
     draft_token_ids: list[list[int]] | None = None
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass
+class KVConnectorOutput:
+    """What a KV connector's worker side reports after a step (chapter 9).
+
+    Attributes:
+        finished_sending: requests whose KV has left (saved or sent): the scheduler may free their blocks now.
+        finished_recving: requests whose KV has arrived and can be loaded.
+        failed_recving: requests whose transfer failed (corrupt, partial, or never came): they recompute.
+        invalid_block_ids: blocks that a load this step should have filled but did not: the requests that hold them
+            go back to the first such block and recompute from there.
+
+    vLLM counterpart: ``vllm/v1/outputs.py:KVConnectorOutput`` (same field names).
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.failed_recving or self.invalid_block_ids)
 
 
 @dataclass

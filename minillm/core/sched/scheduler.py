@@ -24,9 +24,16 @@ overwritten later).
 The budget ``max_num_batched_tokens`` covers *all* tokens of the step, including those of requests admitted from
 the waiting queue in this very step: they are moved to RUNNING and run in this step's forward pass.
 
+With a KV connector (chapter 9, :mod:`minillm.distributed.kv_transfer`) a waiting request's computed tokens are
+its prefix-cache hit *plus* what the connector can load from another engine
+(``connector.get_num_new_matched_tokens``): both count as computed, so a decode engine that receives a prompt's K/V
+schedules only its last token. A request whose K/V has not arrived yet stays waiting while others are admitted. A
+finished request whose K/V is still being sent keeps its blocks until the connector reports the send done.
+
 vLLM counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``, ``_preempt_request``,
-``update_from_output``, ``update_draft_token_ids``, ``finish_requests``). vLLM adds multimodal encoder budgets, LoRA,
-structured output, KV transfer between instances, async scheduling and pipeline parallelism.
+``update_from_output``, ``update_draft_token_ids``, ``finish_requests``, and for KV transfer ``_free_request``,
+``_update_from_kv_xfer_finished``, ``_handle_invalid_blocks``). vLLM adds multimodal encoder budgets, LoRA,
+structured output, asynchronous KV loads (``WAITING_FOR_REMOTE_KVS``), async scheduling and pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -42,6 +49,8 @@ from minillm.core.sched.request_queue import SchedulingPolicy, create_request_qu
 from minillm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from minillm.core.sched.output import KVConnectorOutput
+    from minillm.distributed.kv_transfer.base import KVConnectorBase_V1
     from minillm.engine.parts import EngineParts
 
 
@@ -56,6 +65,7 @@ class StepState:
             admitted one).
         scheduled_running_reqs / scheduled_new_reqs / scheduled_resumed_reqs: who was scheduled, by kind.
         preempted_reqs: requests preempted in this step.
+        num_external_computed_tokens: request id -> tokens a KV connector loads for it this step (chapter 9).
     """
 
     token_budget: int
@@ -66,6 +76,7 @@ class StepState:
     scheduled_resumed_reqs: list[Request] = field(default_factory=list)
     preempted_reqs: list[Request] = field(default_factory=list)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_external_computed_tokens: dict[str, int] = field(default_factory=dict)
 
     def schedule(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
         """Record ``num_new_tokens`` for ``request`` and charge them to the budget."""
@@ -121,6 +132,17 @@ class Scheduler:
         # Finished since the previous schedule(): sent once in the next SchedulerOutput so the runner frees them.
         self.finished_req_ids: set[str] = set()
         self.prev_step_scheduled_req_ids: set[str] = set()
+        # Chapter 9: the scheduler side of a KV connector (set_kv_connector), finished requests whose blocks a send
+        # still reads, and how many waiting requests the last schedule() skipped because their K/V had not arrived.
+        self.connector: KVConnectorBase_V1 | None = None
+        self.pending_kv_sends: dict[str, Request] = {}
+        self.num_waiting_for_remote_kvs = 0
+
+    def set_kv_connector(self, connector: KVConnectorBase_V1 | None) -> None:
+        """Use ``connector``'s scheduler side (chapter 9); ``None``: none."""
+        self.connector = connector
+        if connector is not None:
+            connector.bind_kv_cache_manager(self.kv_cache_manager)
 
     # -- requests in and out ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -134,6 +156,8 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} must be WAITING to be added, got {request.status.name}")
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        if self.connector is not None:
+            self.connector.on_new_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -144,7 +168,9 @@ class Scheduler:
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        requests = [self.requests[i] for i in dict.fromkeys(ids) if i in self.requests]
+        # A finished request whose K/V is still being sent is not unfinished: leave it to the send.
+        requests = [self.requests[i] for i in dict.fromkeys(ids) if i in self.requests and i not in
+                    self.pending_kv_sends]
         # Both queues, whatever the status says: a schedule() interrupted between moving a request to ``running``
         # and marking it RUNNING must not leave it behind in either.
         drop = {id(r) for r in requests}
@@ -155,8 +181,18 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        delay_free_blocks = False
+        if self.connector is not None:
+            delay_free_blocks, _ = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id))
         self.finished_req_ids.add(request.request_id)
+        if delay_free_blocks:
+            self.pending_kv_sends[request.request_id] = request  # freed in _update_from_kv_xfer_finished
+        else:
+            self._free_blocks(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 
     def get_request_counts(self) -> tuple[int, int]:
@@ -168,6 +204,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
+
+    def has_requests(self) -> bool:
+        """Unfinished requests, or finished ones whose K/V is still being sent: the engine must keep stepping."""
+        return self.has_unfinished_requests() or bool(self.pending_kv_sends)
 
     # -- one step -----------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -193,6 +233,10 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             scheduled_spec_decode_tokens=dict(step.scheduled_spec_decode_tokens),
         )
+        for new_data, request in zip(scheduler_output.scheduled_new_reqs, step.scheduled_new_reqs):
+            new_data.num_external_computed_tokens = step.num_external_computed_tokens.get(request.request_id, 0)
+        if self.connector is not None:
+            scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(scheduler_output)
         self._update_after_schedule(scheduler_output)
         return scheduler_output
 
@@ -257,14 +301,23 @@ class Scheduler:
     def _schedule_waiting(self, step: StepState) -> None:
         """Admit WAITING (new or preempted) requests in policy order while budget, seats and KV cache last."""
         threshold = self.scheduler_config.long_prefill_token_threshold
+        skipped: list[Request] = []  # their K/V is still on its way (KV connector): they wait, others go ahead
         while self.waiting and step.token_budget > 0:
             if len(self.running) == self.max_num_running_reqs:
                 break
             request = self.waiting.peek_request()
 
             new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_external_tokens = 0
+            if self.connector is not None:
+                ext_tokens, _ = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+                if ext_tokens is None:
+                    skipped.append(self.waiting.pop_request())
+                    continue
+                # Like a prefix-cache hit, at most num_tokens - 1: the last token is computed for its logits.
+                num_external_tokens = max(0, min(ext_tokens, request.num_tokens - 1 - num_computed_tokens))
             # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
-            num_new_tokens = request.num_tokens - num_computed_tokens
+            num_new_tokens = request.num_tokens - num_computed_tokens - num_external_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > step.token_budget:
@@ -272,7 +325,7 @@ class Scheduler:
             num_new_tokens = min(num_new_tokens, step.token_budget)
 
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_computed_tokens,
-                                                              new_computed_blocks)
+                                                              new_computed_blocks, num_external_tokens)
             if new_blocks is None:
                 break  # the KV cache is full; requests behind it wait too (no overtaking)
             # Counted now, once: a request that waited several steps was looked up in each (as vLLM v0.33.0's
@@ -288,6 +341,16 @@ class Scheduler:
             step.schedule(request, num_new_tokens, self.kv_cache_manager.get_block_ids(request.request_id))
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
+            if self.connector is not None:
+                # Before num_computed_tokens counts the loaded tokens: the load starts where the local hit ends.
+                self.connector.update_state_after_alloc(request, self.kv_cache_manager.get_blocks(request.request_id),
+                                                        num_external_tokens)
+                request.num_computed_tokens += num_external_tokens
+                if num_external_tokens:
+                    step.num_external_computed_tokens[request.request_id] = num_external_tokens
+        for request in reversed(skipped):
+            self.waiting.prepend_request(request)
+        self.num_waiting_for_remote_kvs = len(skipped)
 
     def _make_cached_request_data(self, step: StepState) -> CachedRequestData:
         data = CachedRequestData()
@@ -325,10 +388,13 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         stopped: set[int] = set()
+        kv_output = getattr(model_runner_output, "kv_connector_output", None)
+        failed_loads = (self._handle_invalid_blocks(kv_output.invalid_block_ids, scheduler_output)
+                        if kv_output is not None and kv_output.invalid_block_ids else set())
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
-            if request is None or request.is_finished():
-                continue  # aborted while the model ran
+            if request is None or request.is_finished() or rid in failed_loads:
+                continue  # aborted while the model ran, or its loaded K/V was not there: it recomputes
             if request.num_computed_tokens < request.num_tokens:
                 continue  # still mid-prefill: its sampled token followed a partial prompt, so it is meaningless
             new_token_ids = list(model_runner_output.sampled_token_ids[model_runner_output.req_id_to_index[rid]])
@@ -352,7 +418,45 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(rid, new_token_ids, reason, request.stop_reason))
         if stopped:
             self.running = [r for r in self.running if id(r) not in stopped]
+        if kv_output is not None:
+            self._update_from_kv_xfer_finished(kv_output)
         return outputs
+
+    # -- KV transfer (chapter 9) ----------------------------------------------------------------------------------
+    def _update_from_kv_xfer_finished(self, kv_output: KVConnectorOutput) -> None:
+        """Free the blocks of finished requests whose K/V has been sent; pass the report to the connector."""
+        for rid in kv_output.finished_sending:
+            request = self.pending_kv_sends.pop(rid, None)
+            if request is not None:
+                self._free_blocks(request)
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_output)
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int], scheduler_output: SchedulerOutput) -> set[str]:
+        """A load failed to fill ``invalid_block_ids``: every scheduled request holding one of them goes back to the
+        first such block and recomputes from there. Returns their ids (this step's tokens of theirs are dropped).
+
+        The blocks leave the prefix cache (they were registered when allocated, but hold no valid K/V), and the
+        request's token ids are sent whole to the runner next step, since the runner appended the token it sampled
+        from the bad K/V.
+        """
+        affected: set[str] = set()
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            blocks = self.kv_cache_manager.get_blocks(rid)
+            first_bad = next((i for i, b in enumerate(blocks) if b.block_id in invalid_block_ids), None)
+            if first_bad is None:
+                continue
+            self.kv_cache_manager.block_pool.evict_cached_blocks(blocks[first_bad:])
+            num_cached = self.kv_cache_manager.num_cached_block
+            num_cached[rid] = min(num_cached.get(rid, 0), first_bad)
+            request.num_computed_tokens = min(request.num_computed_tokens, first_bad * self.block_size)
+            request.spec_token_ids = []
+            self.prev_step_scheduled_req_ids.discard(rid)
+            affected.add(rid)
+        return affected
 
     def update_draft_token_ids(self, model_runner_output: Any) -> None:
         """Store the drafts the runner proposed (``model_runner_output.draft_token_ids``) on their requests, to be

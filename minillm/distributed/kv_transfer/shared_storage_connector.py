@@ -1,0 +1,111 @@
+"""A KV connector through a shared directory: the prefill engine writes each prompt's K/V to files, the decode
+engine reads them.
+
+Layout: ``<shared_storage_path>/<key>/layer_<i>.safetensors`` (one ``{"kv": [2, num_tokens, num_kv_heads,
+head_dim]}`` per layer) and ``meta.json`` (the shape), where ``<key>`` is a SHA-256 of the prompt's token ids, so any
+engine that sees the same prompt finds it. A request's files are written into a temporary directory that is renamed
+into place at the end: a reader sees a request's K/V whole or not at all, and a writer that dies half-way leaves
+nothing that looks complete. A file that is damaged *after* that (or vanishes between lookup and load) is caught at
+load time, and the request recomputes.
+
+Saving is synchronous (the files are written in ``wait_for_save``, in the same step), so a finished request's
+blocks can be freed at once. On one machine this is the simplest hand-off there is; on several it needs a shared
+file system, and it pays disk bandwidth twice.
+
+vLLM counterpart: ``vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py`` (``ExampleConnector``;
+releases before it were named ``SharedStorageConnector``), with the same ``shared_storage_path`` setting in
+``kv_connector_extra_config`` and the same one-file-per-layer safetensors layout.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from minillm.distributed.kv_transfer.prompt_connector import KVLoadError, PromptKVConnector, ReqMeta
+
+if TYPE_CHECKING:
+    from minillm.request import Request
+
+
+def prompt_key(token_ids: list[int]) -> str:
+    """The name of a prompt's K/V: SHA-256 of its token ids as int64 bytes (hex)."""
+    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()
+
+
+class SharedStorageConnector(PromptKVConnector):
+    """Save and load whole prompts' K/V as files under ``kv_connector_extra_config["shared_storage_path"]``
+    (default: ``<tmp>/minillm_kv``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        path = self._config.kv_connector_extra_config.get("shared_storage_path",
+                                                           os.path.join(tempfile.gettempdir(), "minillm_kv"))
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"shared_storage_path must be a directory path, got {path!r}")
+        self.storage_path = Path(path)
+        self.storage_path.mkdir(parents=True, exist_ok=True)
+
+    def _key(self, request: Request) -> str:
+        return prompt_key(request.prompt_token_ids)
+
+    def _dir(self, key: str) -> Path:
+        return self.storage_path / key
+
+    def _read_meta(self, key: str) -> dict | None:
+        try:
+            meta = json.loads((self._dir(key) / "meta.json").read_text())
+        except (OSError, ValueError):
+            return None
+        cfg = self._model_config
+        same_model = (meta.get("num_layers") == cfg.num_hidden_layers and meta.get("num_kv_heads") ==
+                      cfg.num_key_value_heads and meta.get("head_dim") == cfg.head_dim)
+        return meta if same_model else None
+
+    # -- scheduler side ------------------------------------------------------------------------------------------
+    def _num_available_tokens(self, request: Request) -> int | None:
+        meta = self._read_meta(self._key(request))
+        return 0 if meta is None else int(meta["num_tokens"])
+
+    def _should_save(self, request: Request) -> bool:
+        return super()._should_save(request) and self._read_meta(self._key(request)) is None
+
+    # -- worker side ---------------------------------------------------------------------------------------------
+    def _store(self, save: ReqMeta, kv: torch.Tensor) -> None:
+        final = self._dir(save.key)
+        if final.exists():
+            return  # an engine saved the same prompt already
+        tmp = Path(tempfile.mkdtemp(prefix=f".{save.key[:16]}-", dir=self.storage_path))
+        try:
+            for layer_idx in range(kv.shape[0]):
+                safetensors.torch.save_file({"kv": kv[layer_idx].contiguous()}, str(tmp / f"layer_{layer_idx}.safetensors"))
+            meta = {"num_tokens": int(kv.shape[2]), "num_layers": int(kv.shape[0]), "num_kv_heads": int(kv.shape[3]),
+                    "head_dim": int(kv.shape[4]), "dtype": str(kv.dtype)}
+            (tmp / "meta.json").write_text(json.dumps(meta))
+            os.replace(tmp, final)  # atomic: readers see all of it or none of it
+        except OSError:
+            if final.exists():  # another engine won the race with the same prompt: theirs is as good
+                return
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _fetch(self, load: ReqMeta) -> torch.Tensor:
+        meta = self._read_meta(load.key)
+        if meta is None:
+            raise KVLoadError(f"no complete K/V under {self._dir(load.key)}")
+        layers = []
+        for layer_idx in range(meta["num_layers"]):
+            layers.append(safetensors.torch.load_file(str(self._dir(load.key) / f"layer_{layer_idx}.safetensors"))["kv"])
+        shapes = {tuple(t.shape) for t in layers}
+        if len(shapes) != 1:
+            raise KVLoadError(f"the layers' files disagree on their shape: {sorted(shapes)}")
+        return torch.stack(layers)

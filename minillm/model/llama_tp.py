@@ -14,8 +14,8 @@ Each rank runs every layer on every token, but with a slice of each weight matri
 So a forward pass of ``n`` tokens costs ``1 + 2 * num_layers`` all-reduces of ``[n, hidden]`` and the logits one
 all-gather (:func:`~minillm.distributed.tensor_parallel.expected_all_reduce_bytes`).
 
-A rank built without a group (``tp_rank``, ``tp_size`` only) cannot communicate; :func:`simulate_tensor_parallel_forward`
-runs such shards of all ranks in one process, layer by layer in lockstep, summing their partial outputs itself. It
+A rank built without a group (``tp_rank``, ``tp_size`` only) cannot communicate;
+:func:`simulate_tensor_parallel_forward` runs such shards of all ranks in one process, layer by layer in lockstep, summing their partial outputs itself. It
 is the same arithmetic as the real run with the all-reduce replaced by
 :func:`~minillm.distributed.parallel_state.simulate_all_reduce`.
 

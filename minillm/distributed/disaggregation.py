@@ -85,7 +85,7 @@ def prefill_then_decode(prefill_engine: LLMEngine, decode_engine: LLMEngine,
 def disaggregated_worker(ctx: Any, model: str, prompts: list[list[int]], max_tokens: int,
                          engine_kwargs: dict[str, Any] | None = None, connector: str = "TorchDistributedConnector",
                          connector_module_path: str | None = None, producer_extra: dict[str, Any] | None = None,
-                         ) -> dict[str, Any]:
+                         transfer_timeout_s: float | None = None) -> dict[str, Any]:
     """One rank of a prefill/decode pair over ``torch.distributed`` (run it with ``collective_rpc(...,
     world_size=2)``): rank 0 prefills and sends, rank 1 receives and decodes, at the same time.
 
@@ -98,6 +98,8 @@ def disaggregated_worker(ctx: Any, model: str, prompts: list[list[int]], max_tok
         connector / connector_module_path: the connector class (and its module, for a connector outside minillm,
             e.g. a test's faulty one) both ranks use.
         producer_extra: extra ``kv_connector_extra_config`` for rank 0 only.
+        transfer_timeout_s: how long the decode engine waits for a request's K/V before prefilling it itself, and the
+            prefill engine for a send to complete (default: the job's timeout).
 
     Returns:
         per rank: ``{"role", "outputs" (rank 1: request id -> tokens), "stats" (the engine's counters),
@@ -107,7 +109,8 @@ def disaggregated_worker(ctx: Any, model: str, prompts: list[list[int]], max_tok
     if ctx.world_size != 2:
         raise ValueError(f"a prefill/decode pair runs on 2 ranks, got world_size={ctx.world_size}")
     producer = ctx.rank == 0
-    extra = {"peer_rank": 1 - ctx.rank, "group": ctx.group, "timeout_s": ctx.timeout_s}
+    extra = {"peer_rank": 1 - ctx.rank, "group": ctx.group,
+             "timeout_s": ctx.timeout_s if transfer_timeout_s is None else transfer_timeout_s}
     if producer:
         extra.update(producer_extra or {})
     kv_config = {"kv_connector": connector, "kv_role": "kv_producer" if producer else "kv_consumer",

@@ -144,12 +144,15 @@ class TorchDistributedConnector(PromptKVConnector):
     # -- worker side: producer -----------------------------------------------------------------------------------
     def _store(self, save: ReqMeta, kv: torch.Tensor) -> None:
         payload = kv.contiguous()
-        header = make_header(save.req_id, payload.shape[2], crc32(payload))
+        self._send(save.req_id, make_header(save.req_id, payload.shape[2], crc32(payload)), payload)
+
+    def _send(self, rid: str, header: torch.Tensor, payload: torch.Tensor) -> None:
+        """Post the two sends, and a thread that waits for them (the blocks are freed when it is done)."""
         works = [dist.isend(header, self.peer_rank, group=self.group, tag=HEADER_TAG),
                  dist.isend(payload, self.peer_rank, group=self.group, tag=PAYLOAD_TAG)]
-        thread = threading.Thread(target=self._wait_for_sends, args=(save.req_id, works), daemon=True,
-                                  name=f"kv-send-{save.req_id}")
-        self._sending[save.req_id] = ((header, payload), thread)
+        thread = threading.Thread(target=self._wait_for_sends, args=(rid, works), daemon=True,
+                                  name=f"kv-send-{rid}")
+        self._sending[rid] = ((header, payload), thread)
         thread.start()
         self.bytes_sent += payload.numel() * payload.element_size()
 

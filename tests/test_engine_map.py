@@ -77,7 +77,7 @@ def test_highlight_colours_that_chapter_and_greys_the_rest(key):
 def test_highlight_changes_the_pixels_of_that_chapters_box_only(key):
     plain, lit = draw_engine_map(), draw_engine_map(key)
     a, b = _pixels(plain), _pixels(lit)
-    grey = b[_inside_pixel(lit, next(n for n, p in _patches(lit).items() if p.chapter != key and n != "later"))]
+    grey = b[_inside_pixel(lit, next(n for n, p in _patches(lit).items() if p.chapter != key and n != "beyond"))]
     for box in BOXES:
         r, c = _inside_pixel(lit, box.name)
         if box.chapter == key:

@@ -238,7 +238,7 @@ def test_torch_distributed_pair_equals_one_engine_on_smollm2(executor, chat_prom
     prefill, decode = executor.collective_rpc(disaggregated_worker, kwargs=dict(
         model="smollm", prompts=chat_prompts, max_tokens=10, engine_kwargs=PAIR_ARGS))
     assert decode["outputs"] == reference
-    cfg = executor._configs["smollm"]
+    cfg = executor.configs["smollm"]
     sent_tokens = sum(len(p) for p in chat_prompts)
     assert prefill["bytes_sent"] == decode["bytes_received"] == sent_tokens * cfg.kv_cache_bytes_per_token(4)
     assert decode["stats"]["num_external_prompt_tokens"] + decode["stats"]["num_cached_prompt_tokens"] == \

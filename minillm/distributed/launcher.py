@@ -307,6 +307,11 @@ class MultiprocExecutor:
             raise
 
     @property
+    def configs(self) -> dict[str, LlamaConfig]:
+        """Model name -> its :class:`~minillm.config.LlamaConfig` (what the workers loaded)."""
+        return dict(self._configs)
+
+    @property
     def alive_ranks(self) -> list[int]:
         """Ranks whose worker process is still running (empty after :meth:`close`)."""
         return [r for r, p in enumerate(self._procs) if p.is_alive()]

@@ -155,7 +155,7 @@ def run_tensor_parallel(executor: MultiprocExecutor, model: str, input_ids: torc
         raise ValueError(f"tp_size must be an int in [1, {executor.world_size}] (the executor's world_size), got "
                          f"{tp_size!r}")
     # The executor keeps each model's config; the parent needs it to check the split before sending anything.
-    configs: dict[str, LlamaConfig] = executor._configs
+    configs: dict[str, LlamaConfig] = executor.configs
     if model not in configs:
         raise ValueError(f"unknown model {model!r}; have {sorted(configs)}")
     config = configs[model]

@@ -27,7 +27,7 @@ CHAPTERS: dict[str, str] = {
     "06": "ModelRunner._prepare_inputs, LLMEngine step loop, LLM and the OpenAI server",
     "07": "context parallelism across ranks",
     "08": "capstone: your parts in the engine via EngineParts",
-    "09": "later: disaggregation and tensor parallelism beyond one machine",
+    "09": "beyond one engine: disaggregated prefill with a KV connector, tensor parallelism",
 }
 
 # One light fill and one edge colour per chapter (a colour-blind-safe palette, lightened for the fills).
@@ -53,7 +53,7 @@ class _Box:
     title: str
     body: str = ""
     frame: bool = False  # a frame holds other boxes: its title sits at its bottom-left corner
-    faint: bool = False  # drawn dashed and pale unless highlighted (chapter 09: not built yet)
+    faint: bool = False  # drawn dashed and pale unless highlighted (a chapter that is not built)
 
 
 BOXES: tuple[_Box, ...] = (
@@ -77,8 +77,8 @@ BOXES: tuple[_Box, ...] = (
          "logits → token ids\n(greedy, top-k, top-p)\nstop check"),
     _Box("context_parallel", "07", 0.5, 0.5, 33.0, 9.5, "07 Context parallelism",
          "one prompt's chunks prefilled\nat once on several ranks"),
-    _Box("later", "09", 36.5, 0.5, 70.0, 9.5, "09 Later: beyond one machine",
-         "disaggregated prefill → decode\ntensor parallelism", faint=True),
+    _Box("beyond", "09", 36.5, 0.5, 70.0, 9.5, "09 Beyond one engine",
+         "prefill engine → KV connector → decode engine\ntensor parallelism: one model on several ranks"),
 )
 
 # (points of the path in data units, label, label position, label alignment); each path ends with an arrow head.
@@ -129,7 +129,7 @@ def draw_engine_map(highlight: str | Sequence[str] | None = None) -> Figure:
 
     Args:
         highlight: a chapter key (``"00"`` … ``"09"``) or several; its boxes are coloured and the others grey.
-            ``None`` colours every chapter (chapter 09, not built yet, stays pale).
+            ``None`` colours every chapter.
 
     Returns:
         A 10 x 4.5 inch :class:`EngineMapFigure` (a matplotlib ``Figure``; Jupyter shows it as PNG). Every box's

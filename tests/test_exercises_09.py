@@ -1,0 +1,212 @@
+"""The checks of solutions/09_disaggregation_and_tp.ipynb catch the typical wrong answers, and say why.
+
+Each test runs the solution notebook up to one check cell with a deliberately wrong function or class in place of
+the learner's (tests/exercise_helpers.run_check) and asserts that the check fails with an AssertionError that names
+the mistake. The notebook's ``minillm.load_model()`` is served from the session's model (conftest's ``smollm``).
+A run up to the check of 9.1 takes a few seconds; up to 9.2 it also runs four engines on SmolLM2 (about 10 s).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import minillm
+from minillm.distributed.kv_transfer import SharedStorageConnector
+from tests.exercise_helpers import run_check
+
+SOLUTION = "09_disaggregation_and_tp.ipynb"
+
+
+@pytest.fixture
+def shared_model(monkeypatch, smollm):
+    """The notebook's set-up cell gets the already loaded SmolLM2 instead of loading it again."""
+    monkeypatch.setattr(minillm, "load_model", lambda *args, **kwargs: smollm)
+
+
+pytestmark = pytest.mark.usefixtures("shared_model")
+
+
+def _assert_caught(e: BaseException | None, *phrases: str) -> None:
+    assert isinstance(e, AssertionError), f"the check should fail with an AssertionError, got {e!r}"
+    for phrase in phrases:
+        assert phrase in str(e), f"{phrase!r} is not in the check's message: {e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Exercise 9.1: the column/row-parallel split of one MLP and its all-reduce
+
+
+def _features(mlp, tp_rank, tp_size):
+    intermediate = mlp.gate_proj.weight.shape[0]
+    if intermediate % tp_size:
+        raise ValueError("not divisible")
+    per = intermediate // tp_size
+    return tp_rank * per, (tp_rank + 1) * per
+
+
+def down_by_rows(mlp, tp_rank, tp_size):
+    """down_proj split by its output features (rows of the [H, I] weight) instead of its input columns."""
+    s, e = _features(mlp, tp_rank, tp_size)
+    hidden = mlp.down_proj.weight.shape[0]
+    hs, he = tp_rank * hidden // tp_size, (tp_rank + 1) * hidden // tp_size
+    return mlp.gate_proj.weight[s:e], mlp.up_proj.weight[s:e], mlp.down_proj.weight[hs:he]
+
+
+def gate_up_by_columns(mlp, tp_rank, tp_size):
+    """gate_proj and up_proj split by their input features (columns), like a row-parallel layer."""
+    s, e = _features(mlp, tp_rank, tp_size)
+    hidden = mlp.gate_proj.weight.shape[1]
+    hs, he = tp_rank * hidden // tp_size, (tp_rank + 1) * hidden // tp_size
+    return mlp.gate_proj.weight[:, hs:he], mlp.up_proj.weight[:, hs:he], mlp.down_proj.weight[:, s:e]
+
+
+def stacked_split(mlp, tp_rank, tp_size):
+    """The stacked [gate; up] weight cut into tp_size pieces, each piece halved into 'gate' and 'up'."""
+    s, e = _features(mlp, tp_rank, tp_size)
+    stacked = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+    piece = stacked.chunk(tp_size)[tp_rank]
+    gate_w, up_w = piece.chunk(2)
+    return gate_w, up_w, mlp.down_proj.weight[:, s:e]
+
+
+def floor_split(mlp, tp_rank, tp_size):
+    """I // tp_size features per rank, no check: with tp_size = 5 the last feature is on no rank."""
+    per = mlp.gate_proj.weight.shape[0] // tp_size
+    s, e = tp_rank * per, (tp_rank + 1) * per
+    return mlp.gate_proj.weight[s:e], mlp.up_proj.weight[s:e], mlp.down_proj.weight[:, s:e]
+
+
+def chunk_split(mlp, tp_rank, tp_size):
+    """torch.chunk: uneven shards when tp_size does not divide I."""
+    return (mlp.gate_proj.weight.chunk(tp_size)[tp_rank], mlp.up_proj.weight.chunk(tp_size)[tp_rank],
+            mlp.down_proj.weight.chunk(tp_size, dim=1)[tp_rank])
+
+
+def reversed_ranks(mlp, tp_rank, tp_size):
+    """Consistent shards, but rank r holds the features of rank R-1-r."""
+    _features(mlp, tp_rank, tp_size)  # ValueError when tp_size does not divide I
+    return floor_split(mlp, tp_size - 1 - tp_rank, tp_size)
+
+
+def _partials(x, shards, silu=True):
+    act = F.silu if silu else (lambda t: t)
+    return [(act(x @ g.T) * (x @ u.T)) @ d.T for g, u, d in shards]
+
+
+def mean_reduce(x, shards):
+    return torch.stack(_partials(x, shards)).mean(0)
+
+
+def no_reduce(x, shards):
+    return _partials(x, shards)[0]
+
+
+def silu_after_sum(x, shards):
+    return F.silu(sum(_partials(x, shards, silu=False)))
+
+
+def gathered(x, shards):
+    return torch.cat(_partials(x, shards), dim=-1)
+
+
+def test_9_1_solution_passes():
+    assert run_check(SOLUTION, "9.1") is None
+
+
+def test_9_1_down_split_by_rows_is_named():
+    _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_shards=down_by_rows), "down_proj is row-parallel",
+                   "*input* features, the columns of nn.Linear.weight")
+
+
+def test_9_1_gate_up_split_by_columns_is_named():
+    _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_shards=gate_up_by_columns), "column-parallel",
+                   "silu(a + b) != silu(a) + silu(b)")
+
+
+def test_9_1_gate_and_up_of_different_ranges_are_named():
+    _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_shards=stacked_split), "rows 1024..1535 of gate_proj",
+                   "rows 0..511 of up_proj", "*same* features 512..1023")
+
+
+@pytest.mark.parametrize("wrong, phrase", [(floor_split, "1535 of 1536: 1 features are on no rank"),
+                                           (chunk_split, "[308, 308, 308, 308, 304] features: shards of different "
+                                                         "shapes")])
+def test_9_1_uneven_split_is_named(wrong, phrase):
+    _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_shards=wrong), "5 does not divide I = 1536", phrase,
+                   "Raise ValueError")
+
+
+def test_9_1_rank_order_is_named():
+    _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_shards=reversed_ranks), "rank r of R holds",
+                   "= 1152..1535")
+
+
+@pytest.mark.parametrize("wrong, phrase", [(mean_reduce, "averages the ranks' partial outputs"),
+                                           (no_reduce, "returns rank 0's partial output alone"),
+                                           (silu_after_sum, "applies silu after the sum"),
+                                           (gathered, "an all-gather")])
+def test_9_1_forward_mistakes_are_named(wrong, phrase):
+    _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_forward=wrong), phrase)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Exercise 9.2: get_num_new_matched_tokens
+
+
+def connector(count):
+    """A SharedStorageConnector subclass whose count is count(available, num_tokens, num_prompt, num_computed)."""
+
+    class WrongConnector(SharedStorageConnector):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            if not self._config.is_kv_consumer:
+                return 0, False
+            available = self._num_available_tokens(request)
+            return count(available, request.num_tokens, request.num_prompt_tokens, num_computed_tokens), False
+
+    return WrongConnector
+
+
+def _guarded(fn):
+    return lambda a, t, p, c: None if a is None else fn(a, t, p, c)
+
+
+WRONG_COUNTS = {
+    "forgot the last token": (_guarded(lambda a, t, p, c: max(min(a, t) - c, 0)),
+                              "the last one too", "would schedule no token"),
+    "no local hit subtracted": (_guarded(lambda a, t, p, c: min(a, t - 1)),
+                                "instead of from the local hit", "Subtract num_computed_tokens"),
+    "negative": (_guarded(lambda a, t, p, c: min(a, t - 1) - c), "it is negative", "max(..., 0)"),
+    "None becomes 0": (lambda a, t, p, c: max(min(a or 0, t - 1) - c, 0), "'not known yet' into 'nothing to load'",
+                       "recomputing everything"),
+    "prompt length instead of num_tokens": (_guarded(lambda a, t, p, c: max(min(a, p - 1) - c, 0)),
+                                            "not num_prompt_tokens - 1"),
+    "available ignored": (_guarded(lambda a, t, p, c: max(t - 1 - c, 0) if a else 0),
+                          "ignores how much is available"),
+}
+
+
+@pytest.mark.slow
+def test_9_2_solution_passes():
+    assert run_check(SOLUTION, "9.2") is None
+
+
+@pytest.mark.parametrize("mistake", sorted(WRONG_COUNTS))
+def test_9_2_wrong_counts_are_named(mistake):
+    count, *phrases = WRONG_COUNTS[mistake]
+    _assert_caught(run_check(SOLUTION, "9.2", MyConnector=connector(count)), *phrases)
+
+
+def test_9_2_async_load_is_named():
+    class AsyncConnector(SharedStorageConnector):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            n, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+            return n, True
+
+    _assert_caught(run_check(SOLUTION, "9.2", MyConnector=AsyncConnector), "load_async=True", "synchronously")
+
+
+def test_9_2_a_crash_on_none_is_explained():
+    crash = connector(lambda a, t, p, c: max(min(a, t - 1) - c, 0))
+    _assert_caught(run_check(SOLUTION, "9.2", MyConnector=crash), "available=None raised TypeError",
+                   "Pass None through before any arithmetic")

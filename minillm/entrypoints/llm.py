@@ -129,7 +129,9 @@ class LLM:
             pbar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         start, out_tokens = time.perf_counter(), 0
         try:
-            while self.llm_engine.has_unfinished_requests():
+            # has_requests, not has_unfinished_requests: with a KV connector (chapter 9) a finished request may still
+            # be sending its K/V, and its blocks come back only in a later step.
+            while self.llm_engine.has_requests():
                 for out in self.llm_engine.step():
                     if out.finished:
                         finished[out.request_id] = out

@@ -252,7 +252,7 @@ class AsyncLLM:
             self._publish_stats()
             while not self._stop.is_set():
                 cmds = []
-                if not engine.has_requests():
+                if not engine.has_unfinished_requests():
                     # Idle: sleep until a command comes (waking now and then to notice a shutdown).
                     try:
                         cmds.append(self._commands.get(timeout=0.1))
@@ -270,7 +270,7 @@ class AsyncLLM:
                         self._handle_abort(cmd[1])
                 if self._stop.is_set():
                     break
-                if engine.has_requests():  # a KV connector's sends in flight count too (chapter 9)
+                if engine.has_unfinished_requests():
                     outputs = engine.step()
                     self._counts["steps"] += 1
                     self._dispatch(outputs)

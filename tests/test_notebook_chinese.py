@@ -52,6 +52,7 @@ NOTEBOOKS = {
     "06": REPO / "notebooks" / "06_engine.ipynb",
     "07": REPO / "notebooks" / "07_context_parallel.ipynb",
     "08": REPO / "solutions" / "08_capstone.ipynb",
+    "09": REPO / "notebooks" / "09_disaggregation_and_tp.ipynb",
 }
 
 # The learner questions, verbatim from the course brief (learner-questions.md): (English translation, original).
@@ -76,9 +77,9 @@ QUESTIONS: dict[str, tuple[str, str]] = {
 }
 
 # Where each question is answered, main answer first. learner-questions.md names 01/07 for Q1 and 05/06 for Q5;
-# 02 and 03 answer Q2 and Q3 a second way.
+# 02 and 03 answer Q2 and Q3 a second way; 09 answers Q1-Q4 beyond one engine (disaggregation, tensor parallelism).
 ANSWERED_IN: dict[str, list[str]] = {
-    "Q1": ["01", "07"], "Q2": ["01", "02"], "Q3": ["01", "03"], "Q4": ["01"],
+    "Q1": ["01", "07", "09"], "Q2": ["01", "02", "09"], "Q3": ["01", "03", "09"], "Q4": ["01", "09"],
     "Q5": ["05", "06"], "Q6": ["04"], "Q7": ["04"], "Q8": ["05"],
 }
 

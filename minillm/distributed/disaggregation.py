@@ -35,7 +35,8 @@ def run_requests(engine: LLMEngine, requests: Sequence[tuple[str, Sequence[int] 
     """Add ``requests`` (``(request_id, prompt, params)``) and step until nothing is left, transfers included.
 
     Args:
-        trace: if a list, one record per step is appended: ``{"step", "num_scheduled_tokens": {rid: n},
+        trace: if a list, one record per step is appended: ``{"step", "num_scheduled_tokens": {rid: n} (of the
+            latest step that ran),
             "num_computed_tokens": {rid: n} (after the step, for the requests still in the scheduler), "waiting",
             "running", "pending_sends", "free_blocks"}``.
         idle_sleep_s: pause after a step that computed nothing (waiting for K/V to arrive or a send to finish).
@@ -58,7 +59,9 @@ def run_requests(engine: LLMEngine, requests: Sequence[tuple[str, Sequence[int] 
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
         sched = engine.scheduler
         if trace is not None:
+            so = engine.last_scheduler_output
             trace.append({"step": step,
+                          "num_scheduled_tokens": dict(so.num_scheduled_tokens) if so is not None else {},
                           "num_computed_tokens": {rid: r.num_computed_tokens for rid, r in sched.requests.items()},
                           "waiting": len(sched.waiting), "running": len(sched.running),
                           "pending_sends": sorted(sched.pending_kv_sends), "free_blocks": engine.get_num_free_blocks()})

@@ -109,7 +109,10 @@ class LLMEngine:
         self.scheduler_config = args.create_scheduler_config(model.config)
         self.max_model_len = self.scheduler_config.max_model_len
         self.num_gpu_blocks = args.resolved_num_gpu_blocks(model.config, self.max_model_len)
-        self.attention_backend = args.resolved_attention_backend()
+        # Without an explicit choice, the backend follows where the model is (a CPU model on a machine that also has
+        # a GPU must not get the GPU's Triton kernels).
+        self.attention_backend = (args.attention_backend if args.attention_backend is not None
+                                  else "triton" if model.device.type == "cuda" else "torch")
         if self.attention_backend == "triton":
             import kernels  # noqa: F401  (switches on Triton's interpreter without a GPU before any kernel exists)
         self.scheduler: Scheduler = self.parts.scheduler_cls(self.scheduler_config, self.num_gpu_blocks,
@@ -133,6 +136,7 @@ class LLMEngine:
                                         kv_connector=self.kv_connector_worker)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats = EngineStats()
+        self.last_scheduler_output: Any = None  # the latest step's plan (for inspection and teaching)
         torch.manual_seed(args.seed)  # the global generator unseeded random sampling draws from
 
     @classmethod
@@ -361,6 +365,7 @@ class LLMEngine:
             # Nothing runs and the first waiting request cannot be admitted: no later step can change that.
             raise RuntimeError(f"the engine cannot make progress: {self.get_num_unfinished_requests()} request(s) "
                                f"wait but none fits the KV cache ({self.get_num_free_blocks()} free blocks)")
+        self.last_scheduler_output = scheduler_output
         for new in scheduler_output.scheduled_new_reqs:
             state = self.output_processor.request_states.get(new.req_id)
             if state is not None:

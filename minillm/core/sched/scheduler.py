@@ -307,30 +307,32 @@ class Scheduler:
                 break
             request = self.waiting.peek_request()
 
-            new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_external_tokens = 0
-            if self.connector is not None:
-                ext_tokens, _ = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
-                if ext_tokens is None:
-                    skipped.append(self.waiting.pop_request())
-                    continue
-                # Like a prefix-cache hit, at most num_tokens - 1: the last token is computed for its logits.
-                num_external_tokens = max(0, min(ext_tokens, request.num_tokens - 1 - num_computed_tokens))
+            new_computed_blocks, num_local_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            # Chapter 9: tokens whose K/V a KV connector loads from another engine count as computed too.
+            num_external_tokens = self._get_num_external_tokens(request, num_local_computed_tokens)
+            if num_external_tokens is None:  # its K/V has not arrived yet: the requests behind it go first
+                self.waiting.remove_request(request)
+                skipped.append(request)
+                continue
+            num_computed_tokens = num_local_computed_tokens + num_external_tokens
             # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
-            num_new_tokens = request.num_tokens - num_computed_tokens - num_external_tokens
+            num_new_tokens = request.num_tokens - num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > step.token_budget:
                 break  # no chunking: wait for a step with room for the whole prompt
             num_new_tokens = min(num_new_tokens, step.token_budget)
 
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_computed_tokens,
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_local_computed_tokens,
                                                               new_computed_blocks, num_external_tokens)
             if new_blocks is None:
                 break  # the KV cache is full; requests behind it wait too (no overtaking)
             # Counted now, once: a request that waited several steps was looked up in each (as vLLM v0.33.0's
             # Scheduler.schedule: "Record at admission so unscheduled lookups are not counted").
-            self.kv_cache_manager.record_prefix_cache_stats(request, num_computed_tokens)
+            self.kv_cache_manager.record_prefix_cache_stats(request, num_local_computed_tokens)
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, self.kv_cache_manager.get_blocks(request.request_id),
+                                                        num_external_tokens)
 
             self.waiting.pop_request()
             self.running.append(request)
@@ -341,16 +343,22 @@ class Scheduler:
             step.schedule(request, num_new_tokens, self.kv_cache_manager.get_block_ids(request.request_id))
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
-            if self.connector is not None:
-                # Before num_computed_tokens counts the loaded tokens: the load starts where the local hit ends.
-                self.connector.update_state_after_alloc(request, self.kv_cache_manager.get_blocks(request.request_id),
-                                                        num_external_tokens)
-                request.num_computed_tokens += num_external_tokens
-                if num_external_tokens:
-                    step.num_external_computed_tokens[request.request_id] = num_external_tokens
+            if num_external_tokens:
+                step.num_external_computed_tokens[request.request_id] = num_external_tokens
         for request in reversed(skipped):
             self.waiting.prepend_request(request)
         self.num_waiting_for_remote_kvs = len(skipped)
+
+    def _get_num_external_tokens(self, request: Request, num_local_computed_tokens: int) -> int | None:
+        """Tokens of ``request`` a KV connector can load beyond its local prefix-cache hit (0 without a connector);
+        ``None`` while the connector cannot tell yet (chapter 9). Like a prefix-cache hit, at most ``num_tokens -
+        1`` tokens in all: the last token is computed for its logits."""
+        if self.connector is None:
+            return 0
+        num_external, _ = self.connector.get_num_new_matched_tokens(request, num_local_computed_tokens)
+        if num_external is None:
+            return None
+        return max(0, min(num_external, request.num_tokens - 1 - num_local_computed_tokens))
 
     def _make_cached_request_data(self, step: StepState) -> CachedRequestData:
         data = CachedRequestData()

@@ -110,6 +110,14 @@ def gathered(x, shards):
     return torch.cat(_partials(x, shards), dim=-1)
 
 
+def silu_on_both(x, shards):
+    return sum((F.silu(x @ g.T) * F.silu(x @ u.T)) @ d.T for g, u, d in shards)
+
+
+def down_not_transposed(x, shards):
+    return sum((F.silu(x @ g.T) * (x @ u.T)) @ d for g, u, d in shards)
+
+
 def test_9_1_solution_passes():
     assert run_check(SOLUTION, "9.1") is None
 
@@ -137,6 +145,17 @@ def test_9_1_uneven_split_is_named(wrong, phrase):
                    "Raise ValueError")
 
 
+def down_transposed(mlp, tp_rank, tp_size):
+    """The right down_proj features, cut from the transposed weight: [I/R, H] instead of [H, I/R]."""
+    s, e = _features(mlp, tp_rank, tp_size)
+    return mlp.gate_proj.weight[s:e], mlp.up_proj.weight[s:e], mlp.down_proj.weight.T[s:e]
+
+
+def test_9_1_transposed_shard_is_named():
+    _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_shards=down_transposed), "down_w holds the right weights, "
+                   "transposed", "Keep nn.Linear's layout")
+
+
 def test_9_1_rank_order_is_named():
     _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_shards=reversed_ranks), "rank r of R holds",
                    "= 1152..1535")
@@ -145,7 +164,9 @@ def test_9_1_rank_order_is_named():
 @pytest.mark.parametrize("wrong, phrase", [(mean_reduce, "averages the ranks' partial outputs"),
                                            (no_reduce, "returns rank 0's partial output alone"),
                                            (silu_after_sum, "applies silu after the sum"),
-                                           (gathered, "an all-gather")])
+                                           (gathered, "an all-gather"),
+                                           (silu_on_both, "applies silu to the up projection too"),
+                                           (down_not_transposed, "each is applied as x @ w.T")])
 def test_9_1_forward_mistakes_are_named(wrong, phrase):
     _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_forward=wrong), phrase)
 
@@ -181,6 +202,8 @@ WRONG_COUNTS = {
                        "recomputing everything"),
     "prompt length instead of num_tokens": (_guarded(lambda a, t, p, c: max(min(a, p - 1) - c, 0)),
                                             "not num_prompt_tokens - 1"),
+    "the last available token held back": (_guarded(lambda a, t, p, c: max(a - 1 - c, 0)),
+                                           "it holds back the last *prompt* token", "or available - 1"),
     "available ignored": (_guarded(lambda a, t, p, c: max(t - 1 - c, 0) if a else 0),
                           "ignores how much is available"),
 }

@@ -20,11 +20,16 @@ def test_run_all_in_jupyterlab(page, lab, name):
     error."""
     _open(page, lab, name)
     _menu(page, "Run", "Run All Cells")
-    # [prompt text, source] of every code cell; an empty cell never gets an execution count.
+    # [prompt text, source] of every code cell whose source is shown; an empty cell never gets an execution count,
+    # and a cell whose source is hidden (the prose-assert cells, `source_hidden`) shows neither source nor count.
     state = """() => [...document.querySelectorAll('.jp-CodeCell')].map(c => [
-        c.querySelector('.jp-InputPrompt').textContent.trim(), c.querySelector('.jp-InputArea-editor').textContent])"""
+        c.querySelector('.jp-InputPrompt')?.textContent.trim() ?? '',
+        c.querySelector('.jp-InputArea-editor')?.textContent ?? ''])"""
+    # Done when every shown cell has its count and the kernel is idle (hidden cells after the last shown one ran
+    # too), or as soon as an error appears.
     page.wait_for_function(
-        f"""() => ({state})().every(([p, src]) => /^\\[\\d+\\]:$/.test(p) || !src.trim())
+        f"""() => (({state})().every(([p, src]) => /^\\[\\d+\\]:$/.test(p) || !src.trim())
+                   && [...document.querySelectorAll('.jp-StatusBar-Widget')].some(w => w.textContent.includes('| Idle')))
                  || [...document.querySelectorAll('.jp-OutputArea-output')].some(o => o.textContent.includes('Traceback'))""",
         timeout=600_000, polling=1000)
     errors = page.locator(".jp-OutputArea-output", has_text="Traceback")

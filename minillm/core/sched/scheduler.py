@@ -331,6 +331,7 @@ class Scheduler:
             # Scheduler.schedule: "Record at admission so unscheduled lookups are not counted").
             self.kv_cache_manager.record_prefix_cache_stats(request, num_local_computed_tokens)
             if self.connector is not None:
+                request.num_computed_tokens = num_local_computed_tokens  # where the connector's load starts
                 self.connector.update_state_after_alloc(request, self.kv_cache_manager.get_blocks(request.request_id),
                                                         num_external_tokens)
 

@@ -111,7 +111,6 @@ class PromptKVConnector(KVConnectorBase_V1):
         # scheduler side
         self._requests: dict[str, Request] = {}
         self._need_load: dict[str, tuple[int, int]] = {}  # request id -> (start, end) to load this step
-        self._local_hit: dict[str, int] = {}  # request id -> its local prefix-cache hit, as last asked
         self._saved: set[str] = set()  # requests whose save was planned (once each)
         self._loaded: set[str] = set()  # requests that got their prompt from outside: no need to save it again
         # worker side
@@ -151,7 +150,6 @@ class PromptKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._config.is_kv_consumer:
             return 0, False
-        self._local_hit[request.request_id] = num_computed_tokens  # where a load would start
         available = self._num_available_tokens(request)
         if available is None:
             return None, False
@@ -161,8 +159,8 @@ class PromptKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int
                                  ) -> None:
-        start = self._local_hit.pop(request.request_id, 0)  # the load starts where the local prefix-cache hit ends
         if num_external_tokens > 0:
+            start = request.num_computed_tokens  # the local prefix-cache hit ends here
             self._need_load[request.request_id] = (start, start + num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PromptKVConnectorMetadata:
@@ -193,7 +191,6 @@ class PromptKVConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._requests.pop(rid, None)
         self._need_load.pop(rid, None)
-        self._local_hit.pop(rid, None)
         self._loaded.discard(rid)
         self._saved.discard(rid)
         return False, None

@@ -35,7 +35,7 @@ from minillm.distributed.kv_transfer.base import KVCache, KVConnectorBase_V1, KV
 if TYPE_CHECKING:
     from minillm.attention.metadata import AttentionMetadata
     from minillm.core.kv_cache_utils import KVCacheBlock
-    from minillm.core.sched.output import KVConnectorOutput, SchedulerOutput
+    from minillm.core.sched.output import SchedulerOutput
     from minillm.request import Request
 
 logger = logging.getLogger(__name__)
@@ -247,6 +247,3 @@ class PromptKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid_block_ids = self._invalid_block_ids, set()
         return out
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        return

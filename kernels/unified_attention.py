@@ -27,11 +27,13 @@ Inside a program: online softmax over KV tiles of ``TILE_SIZE`` keys. Key positi
 block's queries may see, and the causal mask removes the rest.
 
 vLLM counterpart: ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``, ``reduce_segments``
-and, in newer versions, one ``kernel_unified_attention`` whose ``IS_3D`` constexpr selects the split-KV launch;
+and, in v0.33.0, one ``kernel_unified_attention`` whose ``IS_3D`` constexpr selects the split-KV launch;
 older versions, also at ``vllm/attention/ops/triton_unified_attention.py``, have ``kernel_unified_attention_2d``
-and ``kernel_unified_attention_3d``). vLLM uses ``BLOCK_M = 16`` query rows for every batch (more only for a group
-above 16); this kernel takes taller tiles for a prefill (see :func:`choose_config`). vLLM adds sliding windows,
-ALiBi, soft-capping, attention sinks, fp8 KV caches with scales, and tuned launch configurations per GPU.
+and ``kernel_unified_attention_3d``); its ``find_seq_idx`` is in ``vllm/v1/attention/ops/triton_attention_helpers.py``.
+vLLM v0.33.0 uses ``BLOCK_M = 16`` query rows (more only for a group above 16), prefill included, except 32 rows for
+a head-size-256 prefill on an SM100-family GPU; this kernel takes taller tiles for a prefill (see
+:func:`choose_config`). vLLM adds sliding windows, ALiBi, soft-capping, attention sinks, fp8 KV caches with scales,
+and tuned launch configurations per GPU.
 """
 from __future__ import annotations
 

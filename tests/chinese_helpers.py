@@ -1,12 +1,13 @@
 """Checks for the course's Chinese text: the glossary, its variants, spacing and punctuation, README parity.
 
-`docs/glossary.md` fixes one Chinese form per term. The functions here read it and check a piece of Chinese text
-against it, so the same checks serve `README.zh-CN.md` (tests/test_chinese.py) and the notebooks' Chinese blocks:
+`docs/glossary.md` gives one preferred Chinese form per term and the community's common variants it accepts too
+(its third column); `VARIANTS` below lists the forms not to use. The functions here read both and check a piece of
+Chinese text against them, so the same checks serve `README.zh-CN.md` (tests/test_chinese.py) and the notebooks' Chinese blocks:
 
     from tests.chinese_helpers import chinese_problems
     assert chinese_problems(text) == []
 
-`chinese_problems` is `glossary_violations` (a known wrong variant of a glossary term) + `spacing_violations`
+`chinese_problems` is `glossary_violations` (a form not to use, from VARIANTS) + `spacing_violations`
 (Chinese touching English or digits without a space) + `punctuation_violations` (half-width punctuation in a
 Chinese sentence). Each returns a list of readable messages, empty when the text is fine. Code (fenced blocks and
 inline code), URLs and HTML tags are masked first, so identifiers and commands are never checked.
@@ -22,31 +23,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 GLOSSARY = REPO / "docs" / "glossary.md"
 
-# Known wrong forms of glossary terms, keyed by the glossary's English term. A variant is allowed only inside an
-# occurrence of a glossary form that contains it ("块预填充" inside "分块预填充", "预填充" inside "分块预填充").
-# Spacing variants ("PD分离") are left to spacing_violations.
+# Forms not to use, keyed by the glossary's English term: mistranslations, and words that clash with another concept
+# of the course. They are not the community's common variants: those are the glossary's third column (accepted,
+# `GlossaryTerm.aliases`), and a form may not be both (tests/test_chinese.py checks). A variant is allowed only
+# inside an occurrence of a glossary form or alias that contains it ("块预填充" inside "分块预填充"). Spacing
+# variants ("PD分离", "KV缓存") are left to spacing_violations.
 VARIANTS: dict[str, list[str]] = {
-    "token": ["令牌", "词元"],
+    "token": ["令牌"],
     "tokenizer": ["分词工具", "标记器", "切词器"],
-    "chat template": ["聊天模板", "对话模板"],
+    "prompt": ["提示符"],  # the shell's prompt
     "weights": ["权值"],
-    "forward pass": ["正向传播", "前向计算"],
-    "hidden states": ["隐状态", "隐层状态"],
+    # 前向传播 is training's word, paired with 反向传播 (backpropagation); inference runs forward only.
+    "forward pass": ["前向传播", "正向传播"],
+    "hidden states": ["隐层状态"],
     "logits": ["对数几率", "逻辑值"],
-    "prefill": ["预填充"],
-    "decode": ["解码阶段", "解码步"],
-    "KV cache": ["KV 缓存", "KV缓存", "kv 缓存", "kv缓存", "键值缓存", "KV Cache"],
-    "greedy decoding": ["贪婪解码", "贪婪搜索", "贪心搜索"],
-    "exercise": ["习题"],
+    "KV cache": ["kv 缓存"],
     "check cell": ["检查格", "校验单元格"],
-    "attention": ["注意力"],
     "causal mask": ["因果遮罩", "因果掩膜", "因果屏蔽"],
     "residual stream": ["残差流动", "残差连接流"],
     "chunked prefill": ["分段预填充", "块预填充", "切块预填充", "分片预填充", "分块预填"],
     "log-sum-exp": ["对数求和指数"],
     "flat batch": ["扁平批", "展平批次", "扁平 batch"],
     "paged KV cache": ["分页式 KV cache", "页式 KV cache"],
-    "PagedAttention": ["分页注意力", "页注意力"],
+    "PagedAttention": ["分页注意力", "页注意力"],  # a name, kept in English like FlashAttention
     "block": ["区块"],
     "block size": ["块尺寸"],
     "block table": ["块映射表", "分块表", "块表格"],
@@ -56,39 +55,34 @@ VARIANTS: dict[str, list[str]] = {
     "block hash": ["块散列"],
     "cache hit": ["缓存击中"],
     "reference count": ["引用次数"],
-    "eviction": ["驱逐", "逐出"],
-    "kernel (GPU)": ["内核函数", "核函数"],
+    "kernel (GPU)": ["内核函数"],  # 内核 is the Jupyter kernel
     "Triton interpreter": ["Triton 解析器"],
-    "online softmax": ["在线 softmax", "在线softmax"],
+    "tile": ["query 块"],  # 块 is a KV cache block
     "scheduler": ["调度程序", "排程器"],
-    "waiting queue": ["等待队列"],
-    "running queue": ["运行队列", "执行队列"],
+    "running queue": ["执行队列"],
     "token budget": ["令牌预算", "token 配额"],
-    "batch": ["批次", "批处理"],
     "continuous batching": ["持续批处理", "连续批量", "连续批次处理", "连续组批"],
     "preemption": ["剥夺", "抢夺", "强占"],
-    "recompute": ["重算"],
-    "FCFS": ["先到先服务", "先进先出"],
+    "FCFS": ["先进先出"],  # FIFO, a queue's order, not the policy's name
     "priority scheduling": ["优先权调度"],
-    "latency": ["时延"],
-    "TTFT": ["首字延迟", "首 token 时延", "首词延迟"],
+    "TTFT": ["首词延迟"],
     "sampler": ["取样器", "抽样器"],
     "sampling": ["取样", "抽样"],
+    "sampling pipeline": ["采样流水线"],  # 流水线 is pipelining (流水线并行)
+    "exponential race": ["指数竞赛"],  # a race (竞速), not a contest
     "temperature": ["温度系数"],
     "placeholder token": ["占位符"],
     "stop condition": ["终止条件", "停止准则"],
     "stop string": ["终止字符串", "停止词"],
     "detokenizer": ["反分词器", "解分词器", "去分词器"],
-    "speculative decoding": ["推测解码", "猜测解码", "投机采样", "投机推理"],
-    "draft token": ["草稿 token", "草稿令牌"],
+    "speculative decoding": ["猜测解码"],
+    "draft token": ["草稿令牌"],
     "bonus token": ["奖励 token"],
     "rejection sampling": ["拒绝抽样", "拒斥采样"],
     "model runner": ["模型运行器", "模型执行器"],
     "OpenAI-compatible server": ["OpenAI 兼容服务端", "OpenAI 兼容的服务器"],
-    "throughput": ["吞吐率"],
     "roofline": ["屋顶线", "屋顶模型"],
     "tensor parallelism": ["张量平行", "张量并行化"],
-    "disaggregated prefill": ["P/D 分离", "预填充解码分离", "分离式预填充"],
     "context parallelism": ["语境并行", "上下文并行化"],
     "zigzag split": ["之字形切分", "锯齿切分", "Z 字形切分", "zigzag 划分"],
     "rank": ["秩"],
@@ -136,11 +130,17 @@ class GlossaryTerm:
     definition: str
     chapter: str  # link text, e.g. "01"
     chapter_path: Path  # the linked notebook, resolved from docs/
+    aliases: tuple[str, ...] = ()  # third column: forms the checks accept too, e.g. ("分块预填充", "分块 prefill")
 
     @property
     def zh_plain(self) -> str:
-        """The Chinese form without markdown backticks, as it reads in text."""
+        """The preferred Chinese form without markdown backticks, as it reads in text."""
         return self.zh.strip("`")
+
+    @property
+    def accepted(self) -> tuple[str, ...]:
+        """Every form the checks accept: the preferred one first, then the aliases."""
+        return (self.zh_plain, *self.aliases)
 
 
 def table_rows(markdown: str) -> list[list[list[str]]]:
@@ -167,23 +167,28 @@ def table_rows(markdown: str) -> list[list[list[str]]]:
 @functools.lru_cache(maxsize=None)
 def _glossary_terms(path: str) -> tuple[GlossaryTerm, ...]:
     text = Path(path).read_text(encoding="utf-8")
-    tables = [t for t in table_rows(text) if t and t[0][:2] == ["English term", "中文"]]
+    header = ["English term", "中文", "也可写 · also accepted", "definition", "chapter"]
+    tables = [t for t in table_rows(text) if t and t[0][:2] == header[:2]]
     if len(tables) != 1:
         raise AssertionError(f"{path}: expected one table headed 'English term | 中文 | ...', found {len(tables)}")
+    if tables[0][0] != header:
+        raise AssertionError(f"{path}: the glossary's columns must be {' | '.join(header)}, not {tables[0][0]}")
     terms = []
     for row in tables[0][1:]:
-        if len(row) != 4:
-            raise AssertionError(f"{path}: a glossary row needs 4 cells, got {len(row)}: {row}")
-        link = re.fullmatch(r"\[([^\]]+)\]\(([^)]+)\)", row[3])
+        if len(row) != len(header):
+            raise AssertionError(f"{path}: a glossary row needs {len(header)} cells, got {len(row)}: {row}")
+        link = re.fullmatch(r"\[([^\]]+)\]\(([^)]+)\)", row[4])
         if link is None:
-            raise AssertionError(f"{path}: the chapter cell of {row[0]!r} is not one markdown link: {row[3]!r}")
+            raise AssertionError(f"{path}: the chapter cell of {row[0]!r} is not one markdown link: {row[4]!r}")
+        aliases = () if row[2] in ("", "—") else tuple(a.strip() for a in row[2].split("、"))
         terms.append(
             GlossaryTerm(
                 english=row[0],
                 zh=row[1],
-                definition=row[2],
+                definition=row[3],
                 chapter=link.group(1),
                 chapter_path=(Path(path).parent / link.group(2)).resolve(),
+                aliases=aliases,
             )
         )
     return tuple(terms)
@@ -216,10 +221,10 @@ def _context(text: str, start: int, end: int, width: int = 12) -> str:
 
 
 def glossary_violations(text: str, terms: list[GlossaryTerm] | None = None) -> list[str]:
-    """Known wrong variants of glossary terms used in `text` (code masked): one message per occurrence.
+    """Forms not to use (VARIANTS) found in `text` (code masked): one message per occurrence.
 
-    An occurrence is allowed when it lies inside an occurrence of a glossary form that contains the variant
-    (e.g. "预填充" inside "分块预填充").
+    The glossary's preferred forms and aliases are never reported. A variant is allowed where it lies inside an
+    occurrence of an accepted form that contains it (e.g. "预填充" inside "分块预填充").
     """
     terms = glossary_terms() if terms is None else terms
     by_english = {t.english: t for t in terms}
@@ -227,10 +232,11 @@ def glossary_violations(text: str, terms: list[GlossaryTerm] | None = None) -> l
     if unknown:
         raise AssertionError(f"VARIANTS names terms that are not in the glossary: {unknown}")
     prose = mask_code(text)
-    forms = [t.zh_plain for t in terms]
+    forms = [form for t in terms for form in t.accepted]
     found: list[tuple[int, int, str]] = []
     for english, variants in VARIANTS.items():
-        chosen = by_english[english].zh_plain
+        term = by_english[english]
+        advice = " or ".join(repr(f) for f in term.accepted)
         for variant in variants:
             covers = [f for f in forms if variant in f and f != variant]
             allowed: list[tuple[int, int]] = []
@@ -239,7 +245,7 @@ def glossary_violations(text: str, terms: list[GlossaryTerm] | None = None) -> l
             for m in re.finditer(re.escape(variant), prose):
                 if any(s <= m.start() and m.end() <= e for s, e in allowed):
                     continue
-                message = (f"{variant!r} is not the glossary's form for {english!r}: write {chosen!r} "
+                message = (f"{variant!r} is not a glossary form for {english!r}: write {advice} "
                            f"(…{_context(prose, m.start(), m.end())}…)")
                 found.append((m.start(), m.end(), message))
     # One message per wrong phrase: "预填充" inside a reported "分段预填充" is not reported again.

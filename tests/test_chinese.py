@@ -2,9 +2,10 @@
 
 - README.zh-CN.md has every fenced code block and every inline shell command of README.md, the same course table
   (notebook names in the same order), the same exercises table, the same sections, and every number of README.md.
-- docs/glossary.md has at least 40 terms, one Chinese form each, each with a chapter link that exists.
+- docs/glossary.md has at least 40 terms, one preferred Chinese form each (and the community's common variants it
+  accepts, its third column), each with a chapter link that exists.
 - Chinese text (README.zh-CN.md, the Chinese markdown cells of notebooks/ and solutions/) uses the glossary's forms
-  (no known wrong variant), a space between Chinese and English or digits, and full-width punctuation:
+  or aliases (no form that VARIANTS lists as not to use), a space between Chinese and English or digits, and full-width punctuation:
   `chinese_problems(text)` in tests/chinese_helpers.py. The learners' questions, quoted verbatim, are skipped.
 """
 
@@ -71,12 +72,24 @@ def test_glossary_has_one_form_per_term():
     assert len(forms) == len(set(forms)), "two glossary terms share one Chinese form"
     for t in terms:
         assert not re.search(r"[、，,;；]| 或 ", t.zh_plain), (
-            f"{t.english!r}: list only the chosen Chinese form, not alternatives: {t.zh!r}"
+            f"{t.english!r}: the second column holds the preferred form only; aliases go in the third: {t.zh!r}"
         )
         # Identifiers stay in English: a backticked form must be the identifier itself.
         if t.zh.startswith("`"):
             assert t.zh_plain.replace("_", " ") == t.english.replace("_", " "), t
-        assert spacing_violations(t.zh) == [], f"{t.english!r}: {spacing_violations(t.zh)}"
+        for form in t.accepted:
+            assert form and spacing_violations(form) == [], f"{t.english!r}: {form!r} {spacing_violations(form)}"
+            assert not re.search(r"[，,;；`]", form), f"{t.english!r}: alias {form!r} (separate aliases with 、)"
+
+
+def test_glossary_aliases_are_unique_and_not_preferred_forms():
+    """An accepted form belongs to one term, and a term's aliases never repeat its own preferred form."""
+    owner: dict[str, str] = {}
+    for t in glossary_terms():
+        assert len(set(t.accepted)) == len(t.accepted), f"{t.english!r} lists a form twice: {t.accepted}"
+        for form in t.accepted:
+            assert form not in owner, f"{form!r} is accepted for both {owner[form]!r} and {t.english!r}"
+            owner[form] = t.english
 
 
 def test_glossary_has_the_course_map_terms():
@@ -95,8 +108,18 @@ def test_glossary_has_the_course_map_terms():
 
 
 def test_glossary_forms_the_issue_names():
-    zh = {t.english: t.zh for t in glossary_terms()}
-    assert zh["chunked prefill"] == "分块预填充"
+    terms = {t.english: t for t in glossary_terms()}
+    zh = {english: t.zh for english, t in terms.items()}
+    # Chinese text keeps "prefill" in English elsewhere, so chunked prefill too; 分块预填充 is accepted.
+    assert zh["chunked prefill"] == "chunked prefill" and "分块预填充" in terms["chunked prefill"].aliases
+    # Inference runs forward only: 前向传播 (training's word, beside 反向传播) is a variant, not a form.
+    assert zh["forward pass"] == "forward" and "前向" in terms["forward pass"].aliases
+    assert "前向传播" in VARIANTS["forward pass"]
+    assert zh["exponential race"] == "指数竞速" and "指数竞赛" in VARIANTS["exponential race"]
+    assert zh["sampling pipeline"] == "采样流程" and "采样流水线" in VARIANTS["sampling pipeline"]
+    # The GQA row's 分组查询注意力 and the attention row agree: 注意力 is accepted, not a variant.
+    assert "注意力" in terms["attention"].aliases and "分组查询注意力" in terms["GQA"].aliases
+    assert "attention" not in VARIANTS
     assert zh["block table"] == "块表"
     assert zh["prefix caching"] == "前缀缓存"
     assert zh["preemption"] == "抢占"
@@ -108,10 +131,18 @@ def test_glossary_forms_the_issue_names():
 
 
 def test_variants_are_not_glossary_forms():
-    forms = {t.zh_plain for t in glossary_terms()}
+    forms = {form for t in glossary_terms() for form in t.accepted}
     for english, variants in VARIANTS.items():
         for v in variants:
-            assert v not in forms, f"VARIANTS[{english!r}] lists {v!r}, which is a glossary form"
+            assert v not in forms, f"VARIANTS[{english!r}] lists {v!r}, which the glossary accepts"
+
+
+def test_glossary_has_the_terms_learners_asked_for():
+    """Issue 23: terms the Chinese readers met without a glossary entry."""
+    english = {t.english for t in glossary_terms()}
+    needed = {"ITL", "step", "prompt", "exponential race", "correction token", "seat", "sampling pipeline", "tile",
+              "forward pass", "TTFT", "latency", "eviction"}
+    assert needed <= english, sorted(needed - english)
 
 
 def test_glossary_text_follows_its_own_conventions():
@@ -125,15 +156,43 @@ def test_glossary_text_follows_its_own_conventions():
 
 
 def test_glossary_violations_catch_wrong_variants_and_spare_the_right_forms():
-    assert glossary_violations("长 prompt 用分块预填充处理；前缀缓存命中后跳过 prefill。") == []
+    assert glossary_violations("长 prompt 用 chunked prefill 处理；前缀缓存命中后跳过 prefill。") == []
     bad = glossary_violations("长 prompt 用分段预填充处理，满了就剥夺，前缀缓冲命中。")
-    assert len(bad) == 3 and "分块预填充" in bad[0] and "抢占" in bad[1] and "前缀缓存" in bad[2], bad
-    # a variant inside the right form is fine; alone it is not
+    assert len(bad) == 3 and "分段预填充" in bad[0] and "抢占" in bad[1] and "前缀缓存" in bad[2], bad
+    # a variant inside an accepted form is fine; alone it is not
     assert glossary_violations("分块预填充") == []
     assert len(glossary_violations("块预填充")) == 1
-    assert len(glossary_violations("预填充阶段")) == 1
+    assert "'chunked prefill'" in glossary_violations("块预填充")[0]  # the message names the preferred form
     # code is not prose
-    assert glossary_violations("`等待队列` 和\n```\n剥夺\n```\n") == []
+    assert glossary_violations("`等待剥夺` 和\n```\n剥夺\n```\n") == []
+
+
+def test_common_variants_are_accepted():
+    """Issue 23: words a Chinese vLLM engineer meets everywhere are aliases, not errors."""
+    accepted = ["推测解码", "投机采样", "投机解码", "P/D 分离", "PD 分离", "KV Cache", "KV 缓存", "时延", "首字延迟",
+                "首 token 延迟", "驱逐", "淘汰", "注意力", "分组查询注意力", "预填充", "分块预填充", "分块 prefill",
+                "解码阶段", "批处理", "批次", "调度器", "吞吐", "吞吐量", "吞吐率", "等待队列", "运行队列", "先到先服务",
+                "重算", "算子", "一次 forward", "前向", "前向计算", "提示词", "token 间延迟", "指数竞速", "采样流程",
+                "纠正 token", "query tile"]
+    for word in accepted:
+        assert glossary_violations(f"这里写{word}。") == [], word
+
+
+def test_forms_not_to_use_are_flagged_with_the_preferred_form():
+    """Issue 23's new rules, each on deliberately wrong input."""
+    cases = {
+        "一次前向传播算完 30 层。": ("前向传播", "'forward'"),
+        "采样用指数竞赛（Gumbel-max）。": ("指数竞赛", "'指数竞速'"),
+        "采样流水线的第一步是惩罚项。": ("采样流水线", "'采样流程'"),
+        "每个 query 块有 16 个 query。": ("query 块", "'tile'"),
+        "在提示符后面接上回答。": ("提示符", "'prompt'"),
+        "PagedAttention 也叫分页注意力。": ("分页注意力", "'PagedAttention'"),
+    }
+    for text, (variant, preferred) in cases.items():
+        bad = glossary_violations(text)
+        assert len(bad) == 1 and repr(variant) in bad[0] and preferred in bad[0], (text, bad)
+    # 注意力 is accepted, but not as the proper name: one message for 分页注意力, none for its 注意力
+    assert len(glossary_violations("分页注意力和注意力")) == 1
 
 
 def test_spacing_and_punctuation_checks_can_fail():

@@ -188,11 +188,35 @@ def test_priority_preempts_the_largest_priority_even_if_already_scheduled_this_s
 
 def test_priority_request_preempts_itself_when_it_has_the_largest_priority():
     # A's decode (position 8) needs a block and A itself is the largest (priority, arrival_time): it preempts
-    # itself and the running loop stops, so B and C are not scheduled in this step either.
+    # itself, freeing its 2 blocks. The loop goes on (vLLM v0.33.0's Scheduler.schedule `continue`s): B (position 8)
+    # takes one of them and C (position 7) needs none.
     sched, runner = _low_priority_first(len_a=7)
     so, _ = step(sched, runner)
     assert so.preempted_req_ids == {"A"}
-    assert so.num_scheduled_tokens == {}
+    assert so.num_scheduled_tokens == {"B": 1, "C": 1}
+    assert [r.request_id for r in sched.running] == ["B", "C"]
+    assert [r.request_id for r in sched.waiting] == ["A"]
+
+
+def test_priority_self_preemption_does_not_starve_the_higher_priority_requests_behind_it():
+    # The reproduction of issue 23: 16 usable blocks of 4, budget 64. X (priority 0, 24 tokens), then L (priority 5,
+    # 14 tokens) behind it, then Y (priority 0, 17 tokens). At step 4 L's decode (position 16) needs a fifth block,
+    # none is free, and L is the lowest-priority running request: it preempts itself and frees its 4 blocks. Y, after
+    # it in the running queue, needs no new block (position 19 is in its fifth block) and must still get its token;
+    # stopping the loop there (right under FCFS only) left 63 of the budget unused and Y without a token.
+    sched, runner = make_scheduler(budget=64, max_model_len=64, num_blocks=17, policy="priority")
+    arrivals = {0: req("X", 24, max_tokens=30, priority=0, arrival=0.0),
+                1: req("L", 14, max_tokens=30, priority=5, arrival=1.0, start=100),
+                2: req("Y", 17, max_tokens=30, priority=0, arrival=2.0, start=200)}
+    for i in range(4):
+        if i in arrivals:
+            sched.add_request(arrivals[i])
+        step(sched, runner)
+    assert free_blocks(sched) == 0
+    so, _ = step(sched, runner)
+    assert so.preempted_req_ids == {"L"}
+    assert so.num_scheduled_tokens == {"X": 1, "Y": 1}
+    assert free_blocks(sched) == 4
 
 
 def test_priority_victim_ties_broken_by_later_arrival():

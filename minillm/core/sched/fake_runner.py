@@ -85,6 +85,11 @@ class FakeModelRunner:
             state = self.requests.get(rid)
             if state is None:
                 raise AssertionError(f"cached request {rid!r} is unknown to the runner")
+            if rid in cached.all_token_ids and cached.num_computed_tokens[i] < state.num_computed_tokens:
+                # A KV load failed (chapter 9): the scheduler moved the request back and dropped the token this
+                # runner appended, so it sends the token ids whole.
+                state.token_ids = list(cached.all_token_ids[rid])
+                state.num_computed_tokens = cached.num_computed_tokens[i]
             if state.num_computed_tokens != cached.num_computed_tokens[i]:
                 raise AssertionError(f"request {rid!r}: scheduler says {cached.num_computed_tokens[i]} computed tokens,"
                                      f" the runner has {state.num_computed_tokens}")

@@ -32,7 +32,7 @@ finished request whose K/V is still being sent keeps its blocks until the connec
 
 vLLM counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``, ``_preempt_request``,
 ``update_from_output``, ``update_draft_token_ids``, ``finish_requests``, and for KV transfer ``_free_request``,
-``_update_from_kv_xfer_finished``, ``_handle_invalid_blocks``). vLLM adds multimodal encoder budgets, LoRA,
+``_update_from_kv_xfer_finished``, ``_handle_failed_recving``, ``_handle_invalid_blocks``). vLLM adds multimodal encoder budgets, LoRA,
 structured output, asynchronous KV loads (``WAITING_FOR_REMOTE_KVS``), async scheduling and pipeline parallelism.
 """
 from __future__ import annotations
@@ -254,9 +254,14 @@ class Scheduler:
             # sequence's last, so the fed positions stop at max_model_len - 2 (as in vLLM).
             num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
 
+            later = self.running[req_index + 1:]
             new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
             if new_blocks is None:
-                break  # it preempted itself: no memory left for anyone after it either
+                # It preempted itself, so it ranked lowest of all running requests. Under FCFS it was the last one;
+                # under priority the requests after it rank higher and may still fit in the blocks it just freed
+                # (vLLM v0.33.0's Scheduler.schedule continues too).
+                req_index = next((self.running.index(r) for r in later if r in self.running), len(self.running))
+                continue
             step.scheduled_running_reqs.append(request)
             step.schedule(request, num_new_tokens, [b.block_id for b in new_blocks])
             num_scheduled_spec = request.num_computed_tokens + num_new_tokens - request.num_tokens
@@ -398,8 +403,7 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         stopped: set[int] = set()
         kv_output = getattr(model_runner_output, "kv_connector_output", None)
-        failed_loads = (self._handle_invalid_blocks(kv_output.invalid_block_ids, scheduler_output)
-                        if kv_output is not None and kv_output.invalid_block_ids else set())
+        failed_loads = self._handle_kv_load_failures(kv_output, scheduler_output) if kv_output is not None else set()
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
             if request is None or request.is_finished() or rid in failed_loads:
@@ -441,31 +445,70 @@ class Scheduler:
         if self.connector is not None:
             self.connector.update_connector_output(kv_output)
 
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int], scheduler_output: SchedulerOutput) -> set[str]:
-        """A load failed to fill ``invalid_block_ids``: every scheduled request holding one of them goes back to the
-        first such block and recomputes from there. Returns their ids (this step's tokens of theirs are dropped).
+    def _handle_kv_load_failures(self, kv_output: KVConnectorOutput,
+                                 scheduler_output: SchedulerOutput) -> set[str]:
+        """What a KV connector failed to load this step, handled as vLLM v0.33.0 does under
+        ``kv_load_failure_policy="recompute"`` (the only policy here). Returns the ids of the scheduled requests
+        whose tokens of this step are dropped: they ran on K/V that was not there."""
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        failed = self._handle_failed_recving(kv_output.failed_recving, num_scheduled)
+        if kv_output.invalid_block_ids:
+            failed |= self._handle_invalid_blocks(kv_output.invalid_block_ids, num_scheduled)
+        return failed
 
-        The blocks leave the prefix cache (they were registered when allocated, but hold no valid K/V), and the
-        request's token ids are sent whole to the runner next step, since the runner appended the token it sampled
-        from the bad K/V.
+    def _handle_failed_recving(self, failed_req_ids: set[str], num_scheduled_tokens: dict[str, int]) -> set[str]:
+        """Requests whose whole load failed recompute from the start, keeping their blocks.
+
+        vLLM v0.33.0's ``Scheduler._handle_failed_recving`` sets ``num_computed_tokens = 0`` for such a request
+        while it is still ``WAITING_FOR_REMOTE_KVS`` (an asynchronous load). minillm loads synchronously, in the
+        step that admits the request, so the request named here is already running and has sampled a token from
+        the missing K/V: it goes back to 0 too and that token is dropped. A request still waiting is left to the
+        connector, which answers 0 matched tokens for it from now on (it sees ``failed_recving`` too).
         """
         affected: set[str] = set()
-        for rid in scheduler_output.num_scheduled_tokens:
+        for rid in failed_req_ids:
             request = self.requests.get(rid)
-            if request is None or request.is_finished():
+            if request is None or request.status != RequestStatus.RUNNING or rid not in num_scheduled_tokens:
                 continue
-            blocks = self.kv_cache_manager.get_blocks(rid)
-            first_bad = next((i for i, b in enumerate(blocks) if b.block_id in invalid_block_ids), None)
-            if first_bad is None:
-                continue
-            self.kv_cache_manager.block_pool.evict_cached_blocks(blocks[first_bad:])
-            num_cached = self.kv_cache_manager.num_cached_block
-            num_cached[rid] = min(num_cached.get(rid, 0), first_bad)
-            request.num_computed_tokens = min(request.num_computed_tokens, first_bad * self.block_size)
-            request.spec_token_ids = []
-            self.prev_step_scheduled_req_ids.discard(rid)
+            request.num_computed_tokens = 0
+            self._resend_all_token_ids(request)
             affected.add(rid)
         return affected
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int]) -> set[str]:
+        """A load failed to fill ``invalid_block_ids``: the running requests that count one of them as computed
+        recompute it (vLLM v0.33.0's ``_update_requests_with_invalid_blocks``, for synchronous loads).
+
+        In running order, the first request holding an invalid block goes back to that block's first token and
+        recomputes from there, into the same blocks. A later request sharing the block (through the prefix cache)
+        keeps counting it as computed, since the first one rewrites it in place before anyone reads it again: it
+        only drops this step's tokens, which read the bad K/V. Under the recompute policy the blocks stay in the
+        prefix cache, to be reused once recomputed (v0.33.0 evicts them only under ``"fail"``: "only when not using
+        recompute policy"). Returns the ids of every affected request.
+        """
+        affected: set[str] = set()
+        marked: set[int] = set()  # invalid blocks that an earlier request recomputes
+        for request in self.running:
+            rid = request.request_id
+            # Only the blocks computed before this step can hold loaded K/V.
+            num_computed_before = request.num_computed_tokens - num_scheduled_tokens.get(rid, 0)
+            block_ids = self.kv_cache_manager.get_block_ids(rid)[:-(-num_computed_before // self.block_size)]
+            bad = [i for i, block_id in enumerate(block_ids) if block_id in invalid_block_ids]
+            if not bad:
+                continue
+            mine = [i for i in bad if block_ids[i] not in marked]
+            marked.update(block_ids[i] for i in bad)
+            # E.g. blocks of 4, computed before [0, 12), bad blocks 1 and 2: recompute from token 4.
+            request.num_computed_tokens = mine[0] * self.block_size if mine else num_computed_before
+            self._resend_all_token_ids(request)
+            affected.add(rid)
+        return affected
+
+    def _resend_all_token_ids(self, request: Request) -> None:
+        """The runner appended the token it sampled for ``request`` this step, which is now dropped: send the
+        request's token ids whole next step (``CachedRequestData.all_token_ids``), and drop its drafts."""
+        request.spec_token_ids = []
+        self.prev_step_scheduled_req_ids.discard(request.request_id)
 
     def update_draft_token_ids(self, model_runner_output: Any) -> None:
         """Store the drafts the runner proposed (``model_runner_output.draft_token_ids``) on their requests, to be

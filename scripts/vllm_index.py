@@ -12,7 +12,7 @@ How to run it (from the repository root)::
 ``$d`` is the directory holding the unpacked ``vllm/`` package (the wheel's root). Re-run it, and change the
 version the test reads, when the course moves to another release.
 
-Format: JSON, one line per file, sorted, so that the committed file stays small (about 1.7 MB) and a diff between
+Format: JSON, one line per file, sorted, so that the committed file stays small (about 1.75 MB) and a diff between
 releases reads well. Each file's names are one space-separated string, not a list: quotes and commas around 90,000
 names would add 0.2 MB::
 
@@ -30,13 +30,51 @@ names would add 0.2 MB::
   other than ``__init__``, ``__post_init__`` and ``__call__`` are left out: nobody cites ``Foo.__repr__``.
 Imported names are left out (1 MB): a name is cited where it is defined, and the test finds that file by itself.
 A name never contains a space or a colon, so the string parses back unambiguously (the test's ``_parse_entry``).
+
+Deprecation markers (``"deprecated"`` and ``"deprecated_in"``, after ``"files"``, one line per file). A name can
+outlive its feature: v0.33.0 still defines ``ModelConfig.disable_cascade_attn`` ("Deprecated: cascade attention
+has been removed, so this has no effect"), so the names check alone passes a course that teaches cascade attention
+as current. The index therefore also records what 0.33.0's own text marks as deprecated, removed or without effect,
+with the sentence that says so (cut to 120 characters)::
+
+    "deprecated": {
+     "vllm/config/model.py": {"ModelConfig.disable_cascade_attn": "Deprecated: cascade attention has been ..."},
+     "vllm/engine/arg_utils.py": {"--disable-cascade-attn": "--disable-cascade-attn is deprecated and ..."},
+     "vllm/v1/worker/gpu_model_runner.py": {"GPUModelRunner._determine_batch_execution_and_padding(use_cascade_attn)":
+                                            "Deprecated and ignored. ...", "GPUModelRunner.cascade_attn_enabled": ...},
+     ...},
+    "deprecated_in": {
+     "vllm/engine/arg_utils.py": {"EngineArgs.add_cli_args": "multi-step scheduling has been removed; ..."}, ...}
+
+- A *marker* is a sentence matching :data:`MARKER_RE`: it says the documented thing itself is deprecated, has been
+  removed, will be removed, has no effect (unconditionally: "When `x` is False, this option has no effect" is not
+  one), is always empty or is no longer used. Wordings about other things ("allow deprecated quantization
+  methods", "passing a string to this method is deprecated", "metrics that were deprecated") are not markers.
+- Where they are read: docstrings (``ast``) and comments (``tokenize``), and messages naming a command-line flag
+  (``"--disable-cascade-attn is deprecated ..."``, any string constant).
+- The name a marker is attached to (the key in ``"deprecated"``), in the names' own form:
+  a docstring's first paragraph (or a later one that opens with "Deprecated") documents its function or class
+  (``Class.method``); a field docstring (a string right after an assignment) documents the field (``Class.field``);
+  an ``Args:``/``Attributes:`` entry documents a parameter, written ``function(param)``, or an attribute
+  (``Class.attr``); a trailing comment documents the statement on its line, a run of whole-line comments the
+  statement right below it (no blank line between): an assignment (``NAME``, ``Class.field``, ``self.x`` as
+  ``Class.x``), a ``def``/``class``, or a parameter on its own line (``Class.method(param)``). A module docstring
+  documents the file: key ``""``. A flag keeps its dashes (``--disable-cascade-attn``).
+- A marker that documents none of these (a comment inside a function body, a later docstring paragraph) goes to
+  ``"deprecated_in"`` under the innermost function or class around it (``""``: the module). Those name no API; they
+  are where features without a name of their own are said to be gone ("multi-step scheduling has been removed"),
+  the source of the test's curated feature phrases.
+Only top-level names and the members of top-level classes are attached, as in ``"files"``.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import io
 import json
+import re
 import sys
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,30 +177,275 @@ def index_source(source: str, filename: str = "<vllm>") -> str:
     return " ".join(words)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Deprecation markers: what 0.33.0 says is deprecated, removed or without effect, and the name it says it of
+# ----------------------------------------------------------------------------------------------------------------
+
+# A marker says the documented thing itself is going or gone. Each alternative is worded so that the ordinary
+# uses of the words do not match: "Whether to allow deprecated quantization methods" (a current option about
+# deprecated things), "Passing a raw prompt string directly to this method is deprecated" (one use of a current
+# method), "The "lm-format-enforcer" backend is deprecated" (one value of a current option), "this setting has no
+# effect there" (an option that works elsewhere), "metrics that were deprecated in a previous release" and "block 0
+# is always empty" are not markers; "Deprecated: cascade attention has been removed, so this has no effect",
+# "# Deprecated, do not use", "X is deprecated. Use Y instead" and "kept for backward compatibility; no longer used"
+# are.
+_NOT_OBJECT = r"(?<!\bto\s)(?<!\bon\s)(?<!\bof\s)(?<!\bin\s)(?<!\bfor\s)(?<!\bwith\s)(?<!\bby\s)"
+MARKER_RE = re.compile(
+    r"^\W*deprecated\b"                               # "Deprecated: ...", "[DEPRECATED] ...", "# deprecated, use"
+    rf"|{_NOT_OBJECT}\b(?:this|it|these|they)\s+(?:\w+\s+)?(?:is|are|has\s+been|have\s+been)\s+(?:now\s+)?"
+    r"deprecated\b"                                   # "This parameter is deprecated", "it is now deprecated"
+    r"|(?:^|[.;:]\s+)[\w`'\"]+\s+(?:is|are|has\s+been|have\s+been)\s+(?:now\s+)?deprecated\b"  # "NAME is deprecated"
+    r"|\b(?:has|have)\s+been\s+removed\b(?!\s+from)"  # "cascade attention has been removed", not "... from X"
+    rf"|{_NOT_OBJECT}(?<!\bwhen\s)(?<!\bonce\s)(?<!\bafter\s)(?<!\bbefore\s)(?<!\bif\s)"
+    r"\b(?:this|it)\s+(?:\w+\s+)?will\s+be\s+removed\b(?!\s+from)"      # "It will be removed in v0.33.0"
+    rf"|(?P<no_effect>{_NOT_OBJECT}\b(?:this|it)\s+(?:\w+\s+)?(?:has|have)\s+no\s+effect\b"
+    r"(?!\s+(?:when|if|unless|with|without|on|for|in|there|under|during|outside|except|beyond)))"
+    r"|\bso\s+(?:this|it)\s+is\s+always\s+empty\b"    # "so this is always empty"
+    r"|\bno\s+longer\s+(?:used|supported|has\s+any\s+effect)\b",   # "kept for compatibility; no longer used"
+    re.I)
+# A command-line flag a message calls deprecated: "--disable-cascade-attn is deprecated", "x (--x) is deprecated".
+FLAG_MARKER_RE = re.compile(r"(?<![\w-])(--[a-z0-9][\w-]*)\)?\s+is\s+(?:now\s+)?deprecated\b", re.I)
+EXCERPT_CHARS = 120  # the sentence quoted in the index and in the test's message, cut to this length
+
+
+def _excerpt(text: str, match: re.Match) -> str:
+    """The sentence of ``text`` where ``match`` starts, and what follows, on one line, cut to :data:`EXCERPT_CHARS`."""
+    start = text.rfind(". ", 0, match.start())
+    out = " ".join(text[0 if start < 0 else start + 2:].split())
+    return out if len(out) <= EXCERPT_CHARS else out[:EXCERPT_CHARS - 1].rstrip() + "…"
+
+
+LEADING_DEPRECATED_RE = re.compile(r"\W*(?:\.\.\s+)?deprecated\b", re.I)  # "Deprecated: ...", ".. deprecated::"
+CONDITION_RE = re.compile(r"\b(?:when|if|unless)\b", re.I)  # "When `enable_lora` is False, this has no effect"
+
+
+def _marker(text: str) -> str | None:
+    """The excerpt of ``text`` if it holds a marker, else ``None``."""
+    flat = " ".join(text.split())
+    for m in MARKER_RE.finditer(flat):
+        if m.group("no_effect"):  # "has no effect" under a condition is a fact about a current option
+            start = max(flat.rfind(". ", 0, m.start()) + 2, 0)
+            end = flat.find(". ", m.end())
+            if CONDITION_RE.search(flat[start:end if end >= 0 else len(flat)]):
+                continue
+        return _excerpt(flat, m)
+    return None
+
+
+def _docstring_of(body: list[ast.stmt]) -> str | None:
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first.value.value
+    return None
+
+
+class _Lines:
+    """What each source line documents: the names a statement there defines, and the scope it lies in."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.names: dict[int, list[str]] = {}    # line -> names a comment on (or just above) it documents
+        self.scopes: list[tuple[int, int, str]] = []   # (first, last line, qualname) of each def/class
+        self.docs: list[tuple[str, str, str]] = []   # (name, "function"/"class"/"field", docstring)
+        self._scope(tree.body, "")
+
+    def _add(self, first: int, last: int, name: str) -> None:
+        for line in range(first, last + 1):
+            self.names.setdefault(line, []).append(name)
+
+    def _scope(self, body: list[ast.stmt], prefix: str) -> None:
+        stmts = list(_walk_scope(body))
+        for k, stmt in enumerate(stmts):
+            names = [prefix + n for n in _bound_names(stmt)]
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for n in names:
+                    self._add(stmt.lineno, stmt.end_lineno or stmt.lineno, n)
+                nxt = stmts[k + 1] if k + 1 < len(stmts) else None
+                if (nxt is not None and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                        and isinstance(nxt.value.value, str)):  # a field docstring (PEP 257's attribute docstring)
+                    self.docs.extend((n, "field", nxt.value.value) for n in names)
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qual = prefix + stmt.name
+                self.scopes.append((stmt.lineno, stmt.end_lineno or stmt.lineno, qual))
+                doc = _docstring_of(stmt.body)
+                if doc is not None:
+                    self.docs.append((qual, "class" if isinstance(stmt, ast.ClassDef) else "function", doc))
+                if isinstance(stmt, ast.ClassDef):
+                    self._add(stmt.lineno, stmt.lineno, qual)
+                    if not prefix:  # members of top-level classes, as the names index does
+                        self._scope(stmt.body, qual + ".")
+                        self._methods(stmt, qual)
+                else:
+                    self._add(stmt.lineno, stmt.lineno, qual)
+                    args = stmt.args
+                    for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+                        if arg.arg not in ("self", "cls"):
+                            self.names.setdefault(arg.lineno, []).insert(0, f"{qual}({arg.arg})")
+
+    def _methods(self, cls: ast.ClassDef, qual: str) -> None:
+        """``self.x = ...`` in the class's methods documents ``Class.x`` (``self.cascade_attn_enabled = False``)."""
+        for stmt in cls.body:
+            if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) or not stmt.args.args:
+                continue
+            self_name = stmt.args.args[0].arg
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Assign):
+                    targets = node.targets
+                elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                    targets = [node.target]
+                else:
+                    continue
+                for target in targets:
+                    if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                            and target.value.id == self_name):
+                        self._add(node.lineno, node.end_lineno or node.lineno, f"{qual}.{target.attr}")
+
+    def scope_of(self, line: int) -> str:
+        """The innermost def/class around ``line`` (``""``: the module)."""
+        inner = [(first, q) for first, last, q in self.scopes if first <= line <= last]
+        return max(inner)[1] if inner else ""
+
+
+def _comments(source: str) -> tuple[list[tuple[int, int, bool, str]], set[int]]:
+    """``(first line, last line, trailing, text)`` per comment (a run of whole-line comments is one comment), and
+    the lines that hold code."""
+    out: list[tuple[int, int, bool, str]] = []
+    code_lines: set[int] = set()
+    comments: list[tuple[int, str]] = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT:
+                comments.append((tok.start[0], tok.string.lstrip("#").strip()))
+            elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                  tokenize.ENDMARKER, tokenize.ENCODING):
+                code_lines.update(range(tok.start[0], tok.end[0] + 1))
+    except (tokenize.TokenError, SyntaxError):
+        return [], set()
+    for line, text in comments:
+        trailing = line in code_lines
+        if (not trailing and out and not out[-1][2] and out[-1][1] == line - 1):
+            first, _, _, prev = out[-1]
+            out[-1] = (first, line, False, f"{prev} {text}")
+        else:
+            out.append((line, line, trailing, text))
+    return out, code_lines
+
+
+# A docstring section whose entries document parameters or attributes (Google style), and an entry in it.
+SECTION_RE = re.compile(r"^(\s*)(?:Args|Arguments|Parameters|Params|Keyword Args|Attributes|Fields)\s*:\s*$")
+ENTRY_RE = re.compile(r"^(\s*)\**(\w+)\s*(?:\([^)]*\))?\s*:(.*)$")
+
+
+def _doc_parts(doc: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """A docstring's paragraphs outside its Args/Attributes sections, and ``(entry name, text)`` per entry in them."""
+    paragraphs: list[list[str]] = [[]]
+    entries: list[tuple[str, list[str]]] = []
+    section_indent: int | None = None
+    entry_indent: int | None = None
+    for line in doc.expandtabs().splitlines():
+        indent = len(line) - len(line.lstrip())
+        if section_indent is not None and line.strip() and indent <= section_indent:
+            section_indent = entry_indent = None  # the section ended: back to prose
+        if section_indent is None:
+            m = SECTION_RE.match(line)
+            if m:
+                section_indent = len(m.group(1))
+                paragraphs.append([])
+            elif line.strip():
+                paragraphs[-1].append(line.strip())
+            elif paragraphs[-1]:
+                paragraphs.append([])
+            continue
+        m = ENTRY_RE.match(line)
+        if m and (entry_indent is None or len(m.group(1)) <= entry_indent):
+            entry_indent = len(m.group(1))
+            entries.append((m.group(2), [m.group(3).strip()]))
+        elif entries and line.strip():
+            entries[-1][1].append(line.strip())
+    return ([" ".join(p) for p in paragraphs if p], [(n, " ".join(t)) for n, t in entries])
+
+
+def _doc_markers(name: str, what: str, doc: str) -> list[tuple[str, str, str]]:
+    """``(name, kind, excerpt)`` for one docstring: the first paragraph is about ``name``; an Args/Attributes entry
+    is about that parameter (``f(param)``) or attribute (``Class.attr``); any other paragraph is ``in`` it."""
+    paragraphs, entries = _doc_parts(doc)
+    found = []
+    for k, paragraph in enumerate(paragraphs):
+        if ex := _marker(paragraph):  # later paragraphs are about the name too when they open with "Deprecated"
+            found.append((name, "name" if k == 0 or LEADING_DEPRECATED_RE.match(paragraph) else "in", ex))
+    owner = name if what == "class" else name.rpartition(".")[0] if what == "field" else None
+    for entry, text in entries:
+        if ex := _marker(text):
+            target = f"{name}({entry})" if owner is None else f"{owner}.{entry}" if owner else entry
+            found.append((target, "name", ex))
+    return found
+
+
+def deprecation_markers(source: str, filename: str = "<vllm>") -> list[tuple[str, str, str]]:
+    """``(name, kind, excerpt)`` for each marker of one file (see the module docstring, "Deprecation markers")."""
+    tree = ast.parse(source, filename=filename)
+    lines = _Lines(tree)
+    found: dict[tuple[str, str], str] = {}
+    module_doc = _docstring_of(tree.body)
+    docs = [("", "module", module_doc)] if module_doc is not None else []
+    for name, what, doc in [*docs, *lines.docs]:
+        for target, kind, ex in _doc_markers(name, what, doc):
+            found.setdefault((target, kind), ex)
+    for node in ast.walk(tree):  # "--disable-cascade-attn is deprecated and has no effect ..." (a CLI message)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for m in FLAG_MARKER_RE.finditer(node.value):
+                found.setdefault((m.group(1), "name"), _excerpt(node.value, m))
+    comments, code_lines = _comments(source)
+    for first, last, trailing, text in comments:
+        ex = _marker(text)
+        if ex is None:
+            continue
+        if trailing:
+            names = lines.names.get(first, [])
+        else:  # a whole-line comment documents the statement right below it (no blank line between)
+            names = lines.names.get(last + 1, []) if last + 1 in code_lines else []
+        if names:
+            found.setdefault((names[0], "name"), ex)
+        else:
+            found.setdefault((lines.scope_of(first), "in"), ex)
+    return [(name, kind, ex) for (name, kind), ex in sorted(found.items())]
+
+
 def build_index(root: Path, version: str) -> dict:
     """Index every ``vllm/**/*.py`` under ``root`` (the directory that holds the ``vllm`` package)."""
     package = root / "vllm"
     if not (package / "__init__.py").is_file():
         raise SystemExit(f"{root} does not hold an unpacked vllm package (no {package / '__init__.py'})")
     files: dict[str, str] = {}
+    deprecated: dict[str, dict[str, str]] = {}
+    deprecated_in: dict[str, dict[str, str]] = {}
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
+        source = path.read_text(encoding="utf-8")
         try:
-            files[rel] = index_source(path.read_text(encoding="utf-8"), rel)
+            files[rel] = index_source(source, rel)
         except SyntaxError as exc:  # keep the path (it exists), say why its names are missing
             print(f"warning: {rel}: {exc}; indexed without names", file=sys.stderr)
             files[rel] = ""
-    return {"version": version, "files": files}
+            continue
+        for name, kind, excerpt in deprecation_markers(source, rel):
+            (deprecated if kind == "name" else deprecated_in).setdefault(rel, {})[name] = excerpt
+    return {"version": version, "files": files, "deprecated": deprecated, "deprecated_in": deprecated_in}
 
 
 def dump_index(index: dict) -> str:
     """Compact JSON with one file per line, sorted, so the committed file stays small and diffs well."""
-    lines = [f'{{"version": {json.dumps(index["version"])},', ' "files": {']
-    items = sorted(index["files"].items())
-    for k, (path, entry) in enumerate(items):
-        sep = "," if k < len(items) - 1 else ""
-        lines.append(f"  {json.dumps(path)}: {json.dumps(entry)}{sep}")
-    lines.append("}}")
+    lines = [f'{{"version": {json.dumps(index["version"])},']
+    sections = [key for key in ("files", "deprecated", "deprecated_in") if key in index]
+    for n, key in enumerate(sections):
+        lines.append(f" {json.dumps(key)}: {{")
+        items = sorted(index[key].items())
+        for k, (path, entry) in enumerate(items):
+            sep = "," if k < len(items) - 1 else ""
+            value = json.dumps(dict(sorted(entry.items())), ensure_ascii=False) if isinstance(entry, dict) \
+                else json.dumps(entry)
+            lines.append(f"  {json.dumps(path)}: {value}{sep}")
+        lines.append(" }" + ("," if n < len(sections) - 1 else ""))
+    lines.append("}")
     return "\n".join(lines) + "\n"
 
 
@@ -178,7 +461,10 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dump_index(index), encoding="utf-8")
     n_names = sum(len(entry.split()) for entry in index["files"].values())
-    print(f"{out}: {len(index['files'])} files, {n_names} names, {out.stat().st_size / 1e6:.2f} MB")
+    n_marked = sum(len(entry) for entry in index["deprecated"].values())
+    n_notes = sum(len(entry) for entry in index["deprecated_in"].values())
+    print(f"{out}: {len(index['files'])} files, {n_names} names, {n_marked} marked deprecated, "
+          f"{n_notes} notes inside scopes, {out.stat().st_size / 1e6:.2f} MB")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ Continuous batching needs nothing more: requests added between two steps join th
 
 vLLM counterpart: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``, ``shutdown``) and
 ``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``. vLLM runs the engine core in another
-*process* (``EngineCoreClient`` over ZMQ) so that tokenization, detokenization and HTTP never wait on the GIL;
-here a thread is enough, because the heavy work (the model) runs in PyTorch, which releases the GIL.
+*process* (``EngineCoreClient`` over ZMQ) so that tokenization, detokenization and HTTP never wait on the GIL,
+and that process by default schedules each step while the previous one runs (async scheduling, ``AsyncScheduler``);
+here a thread is enough, because the heavy work (the model) runs in PyTorch, which releases the GIL, and its loop
+is the synchronous one of :class:`~minillm.engine.llm_engine.LLMEngine`.
 """
 from __future__ import annotations
 

@@ -13,8 +13,18 @@ any two steps, and every step runs whatever mix of prefill chunks and decodes th
 
 vLLM counterpart: ``vllm/v1/engine/llm_engine.py`` (``LLMEngine``) driving ``vllm/v1/engine/core.py``
 (``EngineCore.step``), with the input checks of ``vllm/v1/engine/input_processor.py`` (``InputProcessor``; older
-releases called it ``Processor``, in ``processor.py``). vLLM runs the
-engine core in another process (``EngineCoreClient``) so detokenization overlaps the model; here it is one loop.
+releases called it ``Processor``, in ``processor.py``). Here the step is one synchronous loop in the caller's
+process. vLLM v0.33.0 runs it differently by default, in two ways:
+
+* the engine core (scheduler, executor, model) runs in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=1``,
+  ``vllm/envs.py``; ``SyncMPClient`` in ``vllm/v1/engine/core_client.py``), so vLLM's ``LLMEngine.step`` only collects
+  that process's outputs, detokenizes them and aborts the requests a stop string ended, while the model runs on;
+* async scheduling is on unless something incompatible is configured (``vllm/config/vllm.py``:
+  ``VllmConfig.__post_init__``): ``EngineCore.step_with_batch_queue`` has ``AsyncScheduler`` schedule step N+1 while
+  step N runs.
+
+The loop here is ``EngineCore.step``, what vLLM runs with ``async_scheduling=False``, called in the caller's
+process as ``InprocClient`` does (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
 from __future__ import annotations
 

@@ -13,7 +13,9 @@ drafts in order:
 When all ``d`` drafts are kept, the last row gives a *bonus* token. The output is int32
 ``[num_reqs, max_spec_len + 1]`` with ``PLACEHOLDER_TOKEN_ID`` after each row's last real token.
 
-vLLM counterpart: ``vllm/v1/sample/rejection_sampler.py`` (``RejectionSampler``).
+vLLM counterpart: ``vllm/v1/sample/rejection_sampler.py`` (``RejectionSampler``), the V1 model runner's. Model Runner
+V2 (v0.33.0's default, ``vllm/v1/worker/gpu/spec_decode/rejection_sampler.py``) returns int64
+``[num_reqs, num_speculative_tokens + 1]`` without -1 padding, and a ``num_sampled`` count per row.
 """
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ number ``i`` with probability ``p_i / sum_j p_j``. So ``argmax_i p_i / E_i`` is 
 division and one ``argmax`` for the whole batch, no cumulative sum or search, and each row can take its noise from
 its own generator.
 
-vLLM counterpart: ``vllm/v1/sample/ops/topk_topp_sampler.py`` (``random_sample``).
+vLLM counterpart: ``vllm/v1/sample/ops/topk_topp_sampler.py`` (``random_sample``), the V1 model runner's. Model
+Runner V2, the default in v0.33.0, runs the same race in log form (Gumbel-max, ``argmax_i log p_i - log E_i``), with
+noise hashed from the request's seed and the position: ``vllm/v1/worker/gpu/sample/gumbel.py`` (``gumbel_sample``).
 """
 from __future__ import annotations
 

@@ -59,6 +59,35 @@ around the path up to the nearest ``;``, ``(``, ``)``, ``|``, blank line or sent
 ``(older releases: `vllm/attention/ops/`)`` is exempt, ```vllm/attention/ops/x.py`; `vllm/v1/...` in recent
 releases`` is not.
 
+Deprecated features. A name can outlive its feature: v0.33.0 still defines ``ModelConfig.disable_cascade_attn``
+("Deprecated: cascade attention has been removed, so this has no effect"), ``GPUModelRunner.cascade_attn_enabled``
+and ``SchedulerOutput.num_common_prefix_blocks`` ("always empty"), so the checks above pass a course that teaches
+cascade attention as current. The index also holds what 0.33.0's docstrings, comments and flag messages mark as
+deprecated, removed or without effect, each attached to the name it documents (``scripts/vllm_index.py``,
+"Deprecation markers"), and :func:`test_course_names_no_removed_feature_as_current` fails a sentence that names one
+of them as current. The rule:
+
+- Where: the prose of the course, not its code: markdown cells of ``notebooks/*.ipynb`` and ``solutions/*.ipynb``
+  and the comments of their code cells, ``README*.md``, ``docs/*.md``, and the docstrings and comments of
+  ``minillm/**/*.py`` and ``kernels/**/*.py``.
+- The unit is a sentence (:func:`sentences`): text up to ``.``/``!``/``?`` before a space (not in "e.g.", "i.e.",
+  "vs.", "etc.", "cf."), ``。！？``, a table cell's ``|``, a blank line, or a line that starts a list item, a
+  heading or a table row. A table row is judged cell by cell: "removed" in another cell does not excuse this one.
+- A sentence *names a gone feature* when it holds (:class:`DeprecationGuard`):
+  a marked ``Class.member`` (``SchedulerOutput.num_common_prefix_blocks``); a marked bare identifier, if it has an
+  underscore and every place 0.33.0 defines it is marked (``num_common_prefix_blocks``, ``cascade_attn_enabled``,
+  ``use_cascade_attn``; not ``device``, which 173 other classes define), or if 0.33.0's CLI calls its flag deprecated
+  (``disable_cascade_attn``; also written ``--disable-cascade-attn``); the path of a file whose module docstring is
+  marked; or a curated feature phrase (:data:`FEATURE_PHRASES`: "cascade attention", "common prefix blocks",
+  "multi-step scheduling", with their Chinese forms), each derived from a marker that names it
+  (:func:`test_feature_phrases_derive_from_markers`).
+- Such a sentence passes only when the same sentence marks it as history (:data:`HISTORY_WORDS_RE`): removed,
+  deprecated, gone, dropped, formerly, was/were/had, used to, no longer, no effect, always empty, older (or earlier,
+  previous) releases, until/before vX.Y; 已移除, 已删除, 废弃, 弃用, 旧版本, 早期版本, 以前, 曾, 不再, 过去. The
+  past tense is deliberately enough ("Older releases also used it for cascade attention"); a history word in the
+  next sentence is not ("Cascade attention computes a shared prefix once. It has been removed." fails).
+- A failure lists each sentence as ``file (cell N (id X) | line N): "sentence" — `what`: file:name says "..."``.
+
 Locations: ``cell N`` is the 0-based index of the notebook cell (as in ``nb["cells"][N]`` and the issues' ``cN``);
 ``line N`` is 1-based in text files. A failure lists every bad reference, one a line, as
 ``file (cell N): reference — why``, with the file where 0.33.0 defines the name or keeps a file of that name when
@@ -244,13 +273,28 @@ class VllmIndex:
     version: str
     files: dict[str, tuple[set[str], dict[str, set[str]]]]
     dirs: set[str]
+    deprecated: dict[str, dict[str, str]] = field(default_factory=dict)  # file -> marked name -> what vLLM says
+    deprecated_in: dict[str, dict[str, str]] = field(default_factory=dict)  # file -> scope -> a marker inside it
 
     @classmethod
     def load(cls, path: Path = INDEX_FILE) -> VllmIndex:
         data = json.loads(path.read_text(encoding="utf-8"))
         files = {p: _parse_entry(entry) for p, entry in data["files"].items()}
         dirs = {p[:i + 1] for p in files for i, ch in enumerate(p) if ch == "/"}
-        return cls(data["version"], files, dirs)
+        return cls(data["version"], files, dirs, data.get("deprecated", {}), data.get("deprecated_in", {}))
+
+    def definitions(self) -> dict[str, set[tuple[str, str]]]:
+        """Every place a name is defined, as ``(file, Name or Class.member)``, keyed by the bare name."""
+        out: dict[str, set[tuple[str, str]]] = {}
+        for f, (top, classes) in self.files.items():
+            for name in top:
+                if name not in classes:
+                    out.setdefault(name, set()).add((f, name))
+            for cls_name, members in classes.items():
+                out.setdefault(cls_name, set()).add((f, cls_name))
+                for member in members:
+                    out.setdefault(member, set()).add((f, f"{cls_name}.{member}"))
+        return out
 
     def resolve(self, path: str) -> tuple[str, list[str]] | None:
         """``(canonical path, files to look names up in)``, or ``None`` when the path does not exist."""
@@ -564,3 +608,390 @@ def test_checks_report_each_problem(vllm_index: VllmIndex) -> None:
     assert len(bad) == 1 and "no such file next to `vllm/v1/engine/`" in bad[0]
     bad = problems("`vllm/v1/worker/nope/`")
     assert len(bad) == 1 and "no such directory" in bad[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Deprecated and removed features: a name that outlived its feature (module docstring, "Deprecated features")
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FeaturePhrase:
+    """A feature without a name of its own that 0.33.0 says is gone, with the marker it is derived from."""
+
+    label: str
+    pattern: str  # case-insensitive; English and Chinese spellings
+    source: tuple[str, str, str]  # (index section, file, marked name) whose sentence says the feature is gone
+
+
+FEATURE_PHRASES = (
+    FeaturePhrase("cascade attention", r"cascade[\s_-]+(?:attention|attn)\b|级联\s*(?:注意力|attention)",
+                  ("deprecated", "vllm/config/model.py", "ModelConfig.disable_cascade_attn")),
+    FeaturePhrase("common prefix blocks", r"common[\s_-]+prefix[\s_-]+blocks?\b|公共前缀\s*(?:块|block)",
+                  ("deprecated", "vllm/v1/core/sched/output.py", "SchedulerOutput.num_common_prefix_blocks")),
+    FeaturePhrase("multi-step scheduling", r"multi[\s-]*step\s+schedul\w*|多步调度",
+                  ("deprecated_in", "vllm/engine/arg_utils.py", "EngineArgs.add_cli_args")),
+)
+
+# Words that make a sentence history rather than a claim about v0.33.0.
+HISTORY_WORDS_RE = re.compile(
+    r"\b(?:removed|removal|deprecat\w*|gone|dropped|formerly|was|were|had|used\s+to|no\s+longer|no\s+effect"
+    r"|always\s+empty|history|historical|older|earlier\s+(?:releases?|versions?)|previous\s+(?:releases?|versions?)"
+    r"|prior\s+(?:releases?|versions?)|(?:until|before|up\s+to|pre-?)\s*v?\d+\.\d+)\b"
+    r"|已?移除|已?删除|已?废弃|已?弃用|旧版本?|老版本|早期版本|以前|曾经?|不再|过去",
+    re.I)
+# Where a sentence ends: . ! ? before a space (not in "e.g." and the like), Chinese 。！？, a table cell's |,
+# a blank line, and a line that starts a list item, a heading or a table row.
+SENTENCE_END_RE = re.compile(
+    r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\betc)(?<!\bcf)(?<!\bNo)[.!?](?=\s|$)|[。！？]|\|"
+    r"|\n[ \t]*\n|\n(?=[ \t]*(?:[-*+] |\d+[.)] |#|\|))")
+
+
+def sentences(text: str) -> list[tuple[int, str]]:
+    """``(offset, sentence)`` for each sentence, table cell or list item of ``text`` (see :data:`SENTENCE_END_RE`)."""
+    out, start = [], 0
+    for m in SENTENCE_END_RE.finditer(text):
+        if text[start:m.end()].strip():
+            out.append((start, text[start:m.end()]))
+        start = m.end()
+    if text[start:].strip():
+        out.append((start, text[start:]))
+    return out
+
+
+@dataclass(frozen=True)
+class Mention:
+    """Something a sentence names that 0.33.0 marks as gone."""
+
+    what: str  # the name, flag, path or phrase as the course wrote it
+    source: str  # `file:name` of the marker
+    excerpt: str  # what vLLM says there
+
+
+class DeprecationGuard:
+    """The names, flags, files and feature phrases of the index's markers, and the check of one sentence."""
+
+    def __init__(self, index: VllmIndex) -> None:
+        self.index = index
+        self.words: dict[str, tuple[str, str]] = {}  # bare identifier -> (source, excerpt)
+        self.qualified: dict[str, tuple[str, str]] = {}  # Class.member -> (source, excerpt)
+        self.modules: dict[str, tuple[str, str]] = {}  # file path without .py -> (source, excerpt)
+        marked: dict[str, set[tuple[str, str]]] = {}  # bare word -> the marked definitions of it
+        candidates: dict[str, tuple[str, str]] = {}
+        for file, names in index.deprecated.items():
+            for name, excerpt in names.items():
+                src = (f"{file}:{name}" if name else file, excerpt)
+                if name == "":
+                    self.modules[file.removesuffix(".py")] = src
+                elif name.startswith("--"):
+                    self.words[name[2:].replace("-", "_")] = src  # the CLI says the option is gone
+                else:
+                    word = re.search(r"(\w+)\)?$", name).group(1)
+                    marked.setdefault(word, set()).add((file, name))
+                    if "(" not in name and "." in name:
+                        self.qualified[name] = src
+                    candidates.setdefault(word, src)
+        definitions = index.definitions()
+        for word, src in candidates.items():
+            # A bare word is guarded when it is a distinctive identifier (it has an underscore) and every place
+            # 0.33.0 defines it is marked: `num_common_prefix_blocks` is, `device` (173 definitions) is not.
+            if "_" in word.strip("_") and definitions.get(word, set()) <= marked[word]:
+                self.words.setdefault(word, src)
+        self.phrases = [(p, re.compile(p.pattern, re.I)) for p in FEATURE_PHRASES]
+        alternatives = [rf"(?<![\w-])--{re.escape(w.replace('_', '-'))}(?![\w-])" for w in self.words]
+        alternatives += [rf"(?<!\w){re.escape(w)}(?!\w)" for w in self.words]
+        alternatives += [rf"(?<![\w.]){re.escape(q)}(?!\w)" for q in self.qualified]
+        alternatives += [rf"(?<![\w./-]){re.escape(m)}(?:\.py)?(?![\w/])" for m in self.modules]
+        self.names_re = re.compile("|".join(alternatives))
+        self.trigger_words = set(self.words)
+
+    def may_mention(self, text: str) -> bool:
+        """A cheap first look at a whole file or cell: ``False`` when no sentence of it can mention anything."""
+        if self.trigger_words.intersection(re.findall(r"\w+", text.replace("-", "_"))):
+            return True
+        return (any(q in text for q in self.qualified) or any(m in text for m in self.modules)
+                or any(rx.search(text) for _, rx in self.phrases))
+
+    def mentions(self, sentence: str) -> list[Mention]:
+        """What ``sentence`` names that 0.33.0 marks as gone (each once)."""
+        found: dict[str, Mention] = {}
+        for m in self.names_re.finditer(sentence):
+            text = m.group(0)
+            key = text.removeprefix("--").replace("-", "_")
+            src = (self.qualified.get(text) or self.words.get(key)
+                   or self.modules.get(text.removesuffix(".py")))
+            if src is not None:
+                found.setdefault(src[0], Mention(text, *src))
+        for phrase, rx in self.phrases:
+            m = rx.search(sentence)
+            if m:
+                section, file, name = phrase.source
+                excerpt = getattr(self.index, section)[file][name]
+                found.setdefault(f"{file}:{name}", Mention(m.group(0), f"{file}:{name}", excerpt))
+        return list(found.values())
+
+    def problems(self, text: str) -> list[tuple[int, str, list[Mention]]]:
+        """``(offset, sentence, mentions)`` for each sentence that names a gone feature and does not say so."""
+        out: list[tuple[int, str, list[Mention]]] = []
+        if not self.may_mention(text):
+            return out
+        for offset, sentence in sentences(text):
+            found = self.mentions(sentence)
+            if found and not HISTORY_WORDS_RE.search(sentence):
+                out.append((offset, " ".join(sentence.split()), found))
+        return out
+
+
+def _python_prose(source: str) -> list[tuple[int, str]]:
+    """``(line, text)`` of a Python source's docstrings (``ast``) and comments (``tokenize``; a run of whole-line
+    comments is one text, so a sentence may span lines)."""
+    import ast
+    import io
+    import tokenize
+
+    out: list[tuple[int, str]] = []
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        tree = None
+    if tree is not None:
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str)):
+                out.append((node.lineno, node.value.value))
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        tokens = []
+        out.extend((n + 1, line.split("#", 1)[1]) for n, line in enumerate(source.splitlines()) if "#" in line)
+    code_lines = {t.start[0] for t in tokens if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE,
+                                                              tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)}
+    last_line = -2
+    for tok in tokens:
+        if tok.type != tokenize.COMMENT:
+            continue
+        line, text = tok.start[0], tok.string.lstrip("#").strip()
+        if line == last_line + 1 and line not in code_lines and out and out[-1][0] < line:
+            out[-1] = (out[-1][0], out[-1][1] + "\n" + text)
+        else:
+            out.append((line, text))
+        last_line = line
+    return out
+
+
+def course_prose(may_mention=lambda text: True) -> list[tuple[str, str, str]]:
+    """``(file, location, text)`` of the course's prose: markdown cells and code-cell comments of ``notebooks/`` and
+    ``solutions/``, ``README*.md``, ``docs/*.md``, and the docstrings and comments of ``minillm/`` and ``kernels/``.
+    A location is ``cell N (id X)`` or ``line N`` (where the text starts). Sources for which ``may_mention`` is
+    false are skipped before their comments are tokenized (most of the 0.3 s this takes otherwise)."""
+    out: list[tuple[str, str, str]] = []
+    for folder in ("notebooks", "solutions"):
+        for nb_path in sorted((REPO / folder).glob("*.ipynb")):
+            cells = json.loads(nb_path.read_text(encoding="utf-8"))["cells"]
+            for n, cell in enumerate(cells):
+                source = cell.get("source", "")
+                source = "".join(source) if isinstance(source, list) else source
+                where = f"cell {n} (id {cell.get('id', '?')})"
+                if cell.get("cell_type") == "markdown":
+                    out.append((f"{folder}/{nb_path.name}", where, source))
+                elif cell.get("cell_type") == "code" and may_mention(source):
+                    out.extend((f"{folder}/{nb_path.name}", where, text) for _, text in _python_prose(source))
+    for p in [*sorted(REPO.glob("README*.md")), *sorted((REPO / "docs").glob("*.md"))]:
+        out.append((p.relative_to(REPO).as_posix(), "line 1", p.read_text(encoding="utf-8")))
+    for p in [*sorted((REPO / "minillm").rglob("*.py")), *sorted((REPO / "kernels").rglob("*.py"))]:
+        source = p.read_text(encoding="utf-8")
+        if may_mention(source):
+            out.extend((p.relative_to(REPO).as_posix(), f"line {line}", text) for line, text in _python_prose(source))
+    return out
+
+
+def deprecated_feature_claims(guard: DeprecationGuard) -> list[str]:
+    """Every sentence of the course that names a gone feature as current, as ``file (where): "sentence" — why``."""
+    lines = []
+    for file, where, text in course_prose(guard.may_mention):
+        for offset, sentence, found in guard.problems(text):
+            if where.startswith("line "):
+                where_here = f"line {int(where[5:]) + text.count(chr(10), 0, offset)}"
+            else:
+                where_here = where
+            why = "; ".join(f"`{m.what}`: {m.source} says \"{m.excerpt}\"" for m in found)
+            lines.append(f"{file} ({where_here}): \"{sentence[:200]}\" — {why}")
+    return lines
+
+
+@pytest.fixture(scope="module")
+def deprecation_guard(vllm_index: VllmIndex) -> DeprecationGuard:
+    return DeprecationGuard(vllm_index)
+
+
+def test_course_names_no_removed_feature_as_current(deprecation_guard: DeprecationGuard) -> None:
+    bad = deprecated_feature_claims(deprecation_guard)
+    assert not bad, (
+        f"{len(bad)} sentences name what vLLM {VLLM_VERSION} marks as deprecated or removed, as if it were current. "
+        "Say in the same sentence that it is gone (removed, deprecated, no longer, older releases, 已移除, 旧版本 …; "
+        "rules: tests/test_vllm_references.py's docstring, \"Deprecated features\"), or drop it:\n" + "\n".join(bad))
+
+
+def test_index_knows_what_0_33_0_marks_as_gone(vllm_index: VllmIndex) -> None:
+    """The markers the cascade-attention finding (issue 23) rests on, and look-alikes that are not markers."""
+    dep = vllm_index.deprecated
+    assert "cascade attention has been removed" in dep["vllm/config/model.py"]["ModelConfig.disable_cascade_attn"]
+    assert "GPUModelRunner.cascade_attn_enabled" in dep["vllm/v1/worker/gpu_model_runner.py"]  # self.x + comment
+    assert "always empty" in dep["vllm/v1/core/sched/output.py"]["SchedulerOutput.num_common_prefix_blocks"]
+    assert "--disable-cascade-attn" in dep["vllm/engine/arg_utils.py"]  # a CLI message
+    assert "GPUModelRunner._determine_batch_execution_and_padding(use_cascade_attn)" in \
+        dep["vllm/v1/worker/gpu_model_runner.py"]  # a parameter, by the comment above it
+    assert "multi-step scheduling has been removed" in vllm_index.deprecated_in["vllm/engine/arg_utils.py"][
+        "EngineArgs.add_cli_args"]
+    marked = {f"{f}:{n}" for f, names in dep.items() for n in names}
+    for current in ("vllm/config/model.py:ModelConfig.allow_deprecated_quantization",  # about deprecated things
+                    "vllm/v1/engine/async_llm.py:AsyncLLM.generate",  # "passing a string ... is deprecated"
+                    "vllm/config/compilation.py:CompilationConfig.cudagraph_specialize_lora",  # "When ..., no effect"
+                    "vllm/v1/core/sched/scheduler.py:Scheduler.schedule"):
+        assert current not in marked, current
+    assert len(marked) < 200, "the markers match ordinary wording: tighten MARKER_RE in scripts/vllm_index.py"
+
+
+def test_feature_phrases_derive_from_markers(vllm_index: VllmIndex) -> None:
+    """Each curated phrase rests on a marker of the index that names it (in its sentence or in the marked name)."""
+    for phrase in FEATURE_PHRASES:
+        section, file, name = phrase.source
+        excerpt = getattr(vllm_index, section).get(file, {}).get(name)
+        assert excerpt is not None, f"{phrase.label}: {file}:{name} is no longer marked in the index"
+        assert re.search(phrase.pattern, f"{excerpt} {name}", re.I), f"{phrase.label} is not what {name} marks"
+
+
+def test_guarded_words_are_distinctive(deprecation_guard: DeprecationGuard) -> None:
+    words = deprecation_guard.words
+    for word in ("num_common_prefix_blocks", "cascade_attn_enabled", "use_cascade_attn", "disable_cascade_attn",
+                 "get_num_common_prefix_blocks"):
+        assert word in words, word
+    for word in ("device", "block_size", "seed", "prefix", "clear_cache", "common_prefix_len"):
+        assert word not in words, f"{word} is current elsewhere in vLLM {VLLM_VERSION}, so it is not guarded bare"
+
+
+# The sentences of the course at commit bf28a51 (notebooks 01 cells fb8a2358 and c604216c, 02 cell 6af03344, 04 cell
+# 66095d37) that issue 23 found naming cascade attention as current: the guard must fail each of them.
+BF28A51_SENTENCES = [
+    "vLLM's `merge_attn_states`\n(`vllm/v1/attention/ops/merge_attn_states.py`) serves other paths: cascade "
+    "attention (a prefix shared by many requests,\ncomputed once) and the chunked context of MLA models.",
+    "| `merge_attn_states`, `prefix_chunk_attention`: exact merge by log-sum-exp | "
+    "`vllm/v1/attention/ops/merge_attn_states.py`, `triton_merge_attn_states.py` (cascade attention, MLA chunked "
+    "context, context parallelism) | fused CUDA/Triton kernels |",
+    "| `reshape_and_cache_torch`, `paged_attention_torch`, `PagedAttention` | `vllm/_custom_ops.py` "
+    "(`reshape_and_cache_flash`), `vllm/v1/attention/backends/triton_attn.py`, `flash_attn.py` | fused CUDA/Triton "
+    "kernels (chapter 3), FP8 KV cache, cascade attention for shared prefixes |",
+    "| `SchedulerOutput`, `NewRequestData`, `CachedRequestData` (`minillm/core/sched/output.py`) | "
+    "`vllm/v1/core/sched/output.py` | encoder inputs, grammar bitmask, connector metadata, common prefix blocks |",
+]
+
+
+@pytest.mark.parametrize("text", BF28A51_SENTENCES)
+def test_guard_fails_the_cascade_attention_sentences_of_bf28a51(deprecation_guard: DeprecationGuard,
+                                                               text: str) -> None:
+    assert deprecation_guard.problems(text)
+
+
+def test_guard_fails_the_notebooks_of_bf28a51(deprecation_guard: DeprecationGuard) -> None:
+    """The same on the notebooks as they were at bf28a51 (issue 23), where the clone has that commit."""
+    import subprocess
+
+    def show(path: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(REPO), "show", f"bf28a51:{path}"], capture_output=True,
+                                  text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    failed: dict[str, set[str]] = {}
+    for nb in ("01_attention_and_chunks", "02_paged_kv_cache", "04_scheduler"):
+        raw = show(f"notebooks/{nb}.ipynb")
+        if raw is None:
+            pytest.skip("commit bf28a51 is not in this clone (a shallow checkout)")
+        for cell in json.loads(raw)["cells"]:
+            if cell["cell_type"] == "markdown" and deprecation_guard.problems("".join(cell["source"])):
+                failed.setdefault(nb, set()).add(cell["id"])
+    assert failed == {"01_attention_and_chunks": {"fb8a2358", "c604216c"}, "02_paged_kv_cache": {"6af03344"},
+                      "04_scheduler": {"66095d37"}}, failed
+
+
+@pytest.mark.parametrize("text, fails", [
+    # Current-feature claims: fail
+    ("`SchedulerOutput.num_common_prefix_blocks` tells the runner how many blocks all requests share.", True),
+    ("Pass `--disable-cascade-attn` to turn it off.", True),
+    ("vLLM 用 cascade attention 一次算完共享前缀。", True),
+    ("The runner checks `self.cascade_attn_enabled` first.", True),
+    ("# multi-step scheduling runs several decode steps per schedule", True),
+    ("Cascade attention computes a shared prefix once. It has been removed in v0.33.0.", True),  # history elsewhere
+    # History: pass
+    ("v0.33.0 removed cascade attention; `disable_cascade_attn` is kept but has no effect.", False),
+    ("Older releases also had cascade attention for shared prefixes.", False),
+    ("Cascade attention (until v0.32) computed a shared prefix once.", False),
+    ("级联注意力（cascade attention）在 v0.33.0 中已移除。", False),
+    ("`num_common_prefix_blocks` is always empty in v0.33.0.", False),
+    # Not a mention: pass
+    ("Prefix caching shares the common prefix of many requests.", False),
+    ("`DeviceConfig` picks the `device`; `block_size` is 16.", False),
+    ("`merge_attn_states` serves the DCP paths and MLA's chunked context.", False),
+])
+def test_guard_rule(deprecation_guard: DeprecationGuard, text: str, fails: bool) -> None:
+    assert bool(deprecation_guard.problems(text)) == fails, deprecation_guard.problems(text)
+
+
+def test_sentences_split_where_a_claim_ends() -> None:
+    got = [s.strip() for _, s in sentences("A, e.g. b. C!\n| x | y |\n- item\n- two。三\n\nD")]
+    assert got == ["A, e.g. b.", "C!", "|", "x |", "y |", "- item", "- two。", "三", "D"]
+
+
+def _script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("vllm_index", REPO / "scripts" / "vllm_index.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_index_script_attaches_each_marker_to_its_name() -> None:
+    """``scripts/vllm_index.py`` on a small source: every kind of marker, and wordings that are not markers."""
+    source = '''
+"""Module."""
+OLD = 1  # Deprecated, do not use
+MSG = "--old-flag is deprecated and has no effect."
+
+
+class Config:
+    """A config."""
+
+    gone: bool = True
+    """Deprecated: the feature has been removed, so this has no effect."""
+    lora: bool = False
+    """When `enable_lora` is False, this option has no effect."""
+    allow_deprecated: bool = False
+    """Whether to allow deprecated methods."""
+
+    def __init__(self, x):
+        # Deprecated: kept for out-of-tree runners.
+        self.flag = False
+
+        # Multi-modal support
+        self.mm = None
+
+    def run(
+        self,
+        # Deprecated and ignored.
+        old_arg: bool = False,
+        prompt: str = "",
+    ):
+        """Run it.
+
+        Args:
+            prompt: The prompt. Passing a raw string to this method is deprecated.
+            keep: Deprecated and always 0.
+        """
+        # feature X has been removed; its arguments are no longer supported.
+        return None
+'''
+    got = _script().deprecation_markers(source)
+    names = {(name, kind) for name, kind, _ in got}
+    assert names == {("OLD", "name"), ("--old-flag", "name"), ("Config.gone", "name"), ("Config.flag", "name"),
+                     ("Config.run(old_arg)", "name"), ("Config.run(keep)", "name"), ("Config.run", "in")}, names

@@ -224,7 +224,8 @@ def _marker(text: str) -> str | None:
     flat = " ".join(text.split())
     for m in MARKER_RE.finditer(flat):
         if m.group("no_effect"):  # "has no effect" under a condition is a fact about a current option
-            start = max(flat.rfind(". ", 0, m.start()) + 2, 0)
+            start = flat.rfind(". ", 0, m.start())
+            start = 0 if start < 0 else start + 2
             end = flat.find(". ", m.end())
             if CONDITION_RE.search(flat[start:end if end >= 0 else len(flat)]):
                 continue

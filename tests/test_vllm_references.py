@@ -675,6 +675,7 @@ class DeprecationGuard:
         self.words: dict[str, tuple[str, str]] = {}  # bare identifier -> (source, excerpt)
         self.qualified: dict[str, tuple[str, str]] = {}  # Class.member -> (source, excerpt)
         self.modules: dict[str, tuple[str, str]] = {}  # file path without .py -> (source, excerpt)
+        self.flags: dict[str, tuple[str, str]] = {}  # --flag -> (source, excerpt)
         marked: dict[str, set[tuple[str, str]]] = {}  # bare word -> the marked definitions of it
         candidates: dict[str, tuple[str, str]] = {}
         for file, names in index.deprecated.items():
@@ -682,8 +683,10 @@ class DeprecationGuard:
                 src = (f"{file}:{name}" if name else file, excerpt)
                 if name == "":
                     self.modules[file.removesuffix(".py")] = src
-                elif name.startswith("--"):
-                    self.words[name[2:].replace("-", "_")] = src  # the CLI says the option is gone
+                elif name.startswith("--"):  # the CLI says the option is gone: the flag, and its field if distinctive
+                    self.flags[name] = src
+                    if "_" in name[2:].replace("-", "_").strip("_"):
+                        self.words[name[2:].replace("-", "_")] = src
                 else:
                     word = re.search(r"(\w+)\)?$", name).group(1)
                     marked.setdefault(word, set()).add((file, name))
@@ -697,12 +700,13 @@ class DeprecationGuard:
             if "_" in word.strip("_") and definitions.get(word, set()) <= marked[word]:
                 self.words.setdefault(word, src)
         self.phrases = [(p, re.compile(p.pattern, re.I)) for p in FEATURE_PHRASES]
-        alternatives = [rf"(?<![\w-])--{re.escape(w.replace('_', '-'))}(?![\w-])" for w in self.words]
+        flags = {*self.flags, *(f"--{w.replace('_', '-')}" for w in self.words)}
+        alternatives = [rf"(?<![\w-]){re.escape(f)}(?![\w-])" for f in sorted(flags)]
         alternatives += [rf"(?<!\w){re.escape(w)}(?!\w)" for w in self.words]
         alternatives += [rf"(?<![\w.]){re.escape(q)}(?!\w)" for q in self.qualified]
         alternatives += [rf"(?<![\w./-]){re.escape(m)}(?:\.py)?(?![\w/])" for m in self.modules]
         self.names_re = re.compile("|".join(alternatives))
-        self.trigger_words = set(self.words)
+        self.trigger_words = {*self.words, *(f[2:].replace("-", "_") for f in self.flags)}
 
     def may_mention(self, text: str) -> bool:
         """A cheap first look at a whole file or cell: ``False`` when no sentence of it can mention anything."""
@@ -714,15 +718,17 @@ class DeprecationGuard:
     def mentions(self, sentence: str) -> list[Mention]:
         """What ``sentence`` names that 0.33.0 marks as gone (each once)."""
         found: dict[str, Mention] = {}
+        spans: list[tuple[int, int]] = []  # the names found: a phrase inside one (`--disable-cascade-attn`) is it
         for m in self.names_re.finditer(sentence):
+            spans.append(m.span())
             text = m.group(0)
             key = text.removeprefix("--").replace("-", "_")
-            src = (self.qualified.get(text) or self.words.get(key)
+            src = (self.qualified.get(text) or self.flags.get(text) or self.words.get(key)
                    or self.modules.get(text.removesuffix(".py")))
             if src is not None:
                 found.setdefault(src[0], Mention(text, *src))
         for phrase, rx in self.phrases:
-            m = rx.search(sentence)
+            m = next((m for m in rx.finditer(sentence) if not any(a <= m.start() < b for a, b in spans)), None)
             if m:
                 section, file, name = phrase.source
                 excerpt = getattr(self.index, section)[file][name]
@@ -995,3 +1001,9 @@ class Config:
     names = {(name, kind) for name, kind, _ in got}
     assert names == {("OLD", "name"), ("--old-flag", "name"), ("Config.gone", "name"), ("Config.flag", "name"),
                      ("Config.run(old_arg)", "name"), ("Config.run(keep)", "name"), ("Config.run", "in")}, names
+
+
+def test_python_prose_reads_docstrings_and_runs_of_comments() -> None:
+    source = 'def f():\n    """Cascade attention computes it."""\n    # one line\n    # and the next\n    x = 1  # trailing\n'
+    assert _python_prose(source) == [(2, "Cascade attention computes it."), (3, "one line\nand the next"),
+                                     (5, "trailing")]

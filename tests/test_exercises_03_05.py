@@ -173,13 +173,16 @@ def test_04_checks_accept_the_solutions():
      "cap n by step.token_budget"),
     ([("            if 0 < threshold < num_new_tokens:\n                num_new_tokens = threshold\n", "")],
      "cap each request's tokens by long_prefill_token_threshold"),
-    ([("                break\n", "                continue\n")], "Stop the loop there (break)"),
+    ([("                continue\n", "                break\n")], "Go on with the requests after it (continue)"),
+    ([("                req_index = next((self.running.index(r) for r in later if r in self.running), "
+       "len(self.running))\n", "")], "rN was skipped after rR preempted itself"),
     ([("req_index = self.running.index(request) + 1", "req_index += 1")],
      "the next request is at self.running.index(request) + 1"),
     ([("while req_index < len(self.running) and step.token_budget > 0:", "while req_index < len(self.running):")],
      "you scheduled r1 with 0 tokens"),
     ([("            step.scheduled_running_reqs.append(request)\n", "")], "step.scheduled_running_reqs"),
-], ids=["no_budget_cap", "no_threshold", "moves_on_after_self_preemption", "index_not_found_again",
+], ids=["no_budget_cap", "no_threshold", "stops_after_self_preemption", "stale_index_after_self_preemption",
+         "index_not_found_again",
         "budget_spent_not_stopping", "not_recorded"])
 def test_4_1_running_loop_mistakes(edits, why):
     assert why in caught(NB04, "4.1", RunningLoopScheduler=_scheduler("4.1", "RunningLoopScheduler", *edits))

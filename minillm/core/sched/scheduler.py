@@ -32,10 +32,10 @@ finished request whose K/V is still being sent keeps its blocks until the connec
 
 vLLM counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``, ``_preempt_request``,
 ``update_from_output``, ``update_draft_token_ids``, ``finish_requests``, and for KV transfer ``_free_request``,
-``_update_from_kv_xfer_finished``, ``_handle_failed_recving``, ``_handle_invalid_blocks``). vLLM adds multimodal encoder budgets, LoRA,
-structured output, asynchronous KV loads (``WAITING_FOR_REMOTE_KVS``) and pipeline parallelism; and v0.33.0 runs
-``AsyncScheduler`` by default (async scheduling: step N+1 is planned while step N runs, its tokens counted as
-``num_output_placeholders``), where this scheduler is the ``async_scheduling=False`` one.
+``_update_from_kv_xfer_finished``, ``_handle_failed_recving``, ``_handle_invalid_blocks``). vLLM adds multimodal
+encoder budgets, LoRA, structured output, asynchronous KV loads (``WAITING_FOR_REMOTE_KVS``) and pipeline
+parallelism; and v0.33.0 runs ``AsyncScheduler`` by default (async scheduling: step N+1 is planned while step N runs,
+its tokens counted as ``num_output_placeholders``), where this scheduler is the ``async_scheduling=False`` one.
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ request (malformed JSON, wrong types, out-of-range values, ``n != 1``, a prompt 
 token, an output limit larger than ``max_model_len``; a limit that fits ``max_model_len`` but not the room the prompt
 leaves is lowered to that room, as in vLLM v0.33.0: :mod:`minillm.entrypoints.openai.sampling`), 401 without the API
 key (when one is set), 404 for an unknown model or route, 413 for a body over ``--max-request-body-bytes`` (1 MiB),
-415 for a body not sent as ``application/json``, 503 once the engine has stopped, 500 if the engine failed. See :mod:`minillm.entrypoints.openai.serving_engine` and
-:mod:`minillm.entrypoints.openai.middleware`.
+415 for a body not sent as ``application/json``, 503 once the engine has stopped, 500 if the engine failed. See
+:mod:`minillm.entrypoints.openai.serving_engine` and :mod:`minillm.entrypoints.openai.middleware`.
 
 Safety (README, "Serving safely"): it listens on 127.0.0.1 by default and then answers only requests whose ``Host``
 is loopback (DNS rebinding); POST bodies must be JSON (no cross-origin "simple" POST from a web page); ``--api-key``

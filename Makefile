@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab test test-portable test-browser exercises clean classroom classroom-demo test-classroom
+.PHONY: setup lab test test-portable test-browser exercises clean classroom classroom-demo test-classroom book test-book
 
 # Re-running is fast: the stamp is newer than the files that decide what is installed.
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -71,6 +71,25 @@ test-browser: setup
 # The nbgrader test over every chapter, capstone included, each graded twice (the fast `make test` grades 00, 02, 04).
 test-classroom: classroom
 	MINILLM_NBGRADER_CHAPTERS=all OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -p no:xdist tests/test_nbgrader.py
+
+# The course as a static website in build/book/ (README, "Read it as a website"): Sphinx + MyST-NB over the stored
+# notebooks, never executed; the [book] extra in the same .venv. Built from scratch each time, with every warning an
+# error, and checked at its end (book/_ext/check_site.py: links, anchors, images, a page per notebook).
+BOOK_STAMP := $(VENV)/.book-installed
+BOOK_DIR := build/book
+$(BOOK_STAMP): $(STAMP) pyproject.toml requirements/constraints.txt
+	$(PY) -m pip install -q -c requirements/constraints.txt -e ".[book]"
+	touch $(BOOK_STAMP)
+
+book: setup $(BOOK_STAMP)
+	rm -rf $(BOOK_DIR) build/book-doctrees build/jupyter_execute  # (MyST-NB writes output images to build/jupyter_execute)
+	$(PY) -m sphinx -W --keep-going -q -b html -c book -d build/book-doctrees . $(BOOK_DIR)
+	@echo "the site: $(BOOK_DIR)/index.html (python -m http.server -d $(BOOK_DIR), then http://127.0.0.1:8000)"
+
+# The site's checks: the build fails on broken input (tests/book_checks.py builds small broken sites), and the built
+# site in Chromium (tests/book_browser.py). Kept out of `make test`, like tests/browser_run_all.py.
+test-book: book
+	$(PY) -m pytest -p no:xdist tests/book_checks.py tests/book_browser.py
 
 exercises: setup
 	$(PY) -m minillm.exercises build

@@ -1,0 +1,299 @@
+"""The course as a website: what Sphinx + MyST-NB need to be told about this repository's notebooks.
+
+Loaded by book/conf.py. Everything happens on the text Sphinx reads (``source-read``), so the files in the
+repository are never touched, and after the build (``build-finished``):
+
+- **The table of contents.** The landing page is README.md (``root_doc``); its text gets three toctrees appended
+  (lessons ``notebooks/*``, exercises ``exercises/*``, reference: the glossary and README.zh-CN.md). A chapter added to
+  notebooks/ or exercises/ appears by itself; any other page Sphinx reads (``include_patterns`` in conf.py) that no
+  toctree lists fails the build (Sphinx's "document isn't included in any toctree", an error under ``-W``).
+- **Cross-notebook links.** ``NN_name.ipynb#cell-id=<id>`` is how the notebooks link into each other (JupyterLab
+  scrolls to that cell). On the site the link becomes ``NN_name.ipynb#<slug>``, the anchor MyST gives the first
+  heading of that cell, or the heading of that cell that the link text names after a ``§`` ("01 §Learner question
+  Q1"); ``myst_heading_anchors`` gives headings their slugs, computed here with MyST's own tokenizer, slug function
+  and de-duplication, over the target notebook's headings in order. A cell id that is not in the target notebook, or
+  whose cell has no heading, is a build error; a slug MyST does not know is MyST's warning, an error under ``-W``.
+- **Widgets.** An output of MIME type ``application/vnd.jupyter.widget-view+json`` becomes the stored picture of that
+  widget: the PNG of the first ``ImageModel`` in the widget's tree, as saved in the notebook's widget state
+  (``metadata.widgets``). A markdown cell under it says the widget is interactive in JupyterLab. The widget state is
+  then dropped, so MyST-NB loads no widget JavaScript (it would fetch it from a CDN). A widget without a stored
+  picture is a build error.
+- **Exercises.** Each exercise page gets a line under its title: how to open it locally (``make lab``, then the
+  notebook's path). The stored exercise notebooks are unsolved; the solutions are not part of the site.
+- **Language.** The page context says which pages have a version in the other language (the READMEs) and which
+  are bilingual in place (notebooks, glossary); ``_templates/lang-switch.html`` shows the switch or the note.
+- **After the build** ``check_site`` (book/_ext/check_site.py) reads every HTML page: each internal link must reach a
+  page and, with a fragment, an element of that id; each image must exist (or be a data: URI); every notebook of
+  notebooks/ and exercises/ must have its page; no script or stylesheet may come from outside the site. Each
+  problem is a warning naming it (an error under ``make book``'s ``-W``) and the build's exit status is 1.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import posixpath
+import re
+import shutil
+from pathlib import Path
+
+from sphinx.application import Sphinx
+from sphinx.util import logging
+
+logger = logging.getLogger(__name__)
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+CELL_LINK = re.compile(r"\[(?P<text>[^\]]*)\]\((?P<path>[^)\s#]*\.ipynb)?#cell-id=(?P<id>[A-Za-z0-9_-]+)\)")
+
+# Pages with a version in the other language: page -> (its counterpart, the label of the switch).
+COUNTERPARTS = {"README": ("README.zh-CN", "中文"), "README.zh-CN": ("README", "English")}
+PAGE_LANG = {"README.zh-CN": "zh-CN"}
+
+TOCTREES = """
+
+```{toctree}
+:caption: Lessons · 课程
+:glob:
+:maxdepth: 1
+
+notebooks/*
+```
+
+```{toctree}
+:caption: Exercises · 练习
+:glob:
+:maxdepth: 1
+
+exercises/*
+```
+
+```{toctree}
+:caption: Reference · 参考
+:maxdepth: 1
+
+docs/glossary
+README.zh-CN
+```
+"""
+
+WIDGET_NOTE = ("*The widget above is its stored picture: it is interactive in JupyterLab (`make lab`, then open "
+               "`{path}`).* 上图是这个 widget 保存下来的静态图，在 JupyterLab 里可以交互（`make lab`，然后打开 `{path}`）。")
+EXERCISE_NOTE = ("> **Work on this exercise locally:** `make lab`, then open `{path}` in JupyterLab (the exercise "
+                 "cells raise `NotImplementedError` until you write them; each check cell says what differs). "
+                 "**在本地做这份练习：**`make lab`，然后在 JupyterLab 里打开 `{path}`。")
+
+
+# ---- headings and their slugs, as MyST computes them ------------------------------------------------------------
+
+def _md_parser():
+    from myst_parser.config.main import MdParserConfig
+    from myst_parser.parsers.mdit import create_md_parser
+    from myst_parser.mdit_to_docutils.base import DocutilsRenderer
+
+    return create_md_parser(MdParserConfig(), DocutilsRenderer)
+
+
+def cell_heading_slugs(cells: list[dict], slug_func=None) -> dict[str, list[tuple[str, str]]]:
+    """{cell id: [(heading text, slug MyST gives it), ...] for the headings of that cell} over a notebook, in order.
+
+    The slugs are made as myst_parser's ``compute_unique_slug`` makes them while it renders the notebook: the title
+    is the heading's text and inline-code pieces, the slug function is GitHub's (MyST's default), and a slug seen
+    before in the same document gets ``-1``, ``-2``, ...
+    """
+    from markdown_it.tree import SyntaxTreeNode
+    from myst_parser.mdit_to_docutils.base import compute_unique_slug
+
+    md = _md_parser()
+    seen: dict[str, object] = {}
+    headings: dict[str, list[tuple[str, str]]] = {}
+    for cell in cells:
+        if cell.get("cell_type") != "markdown":
+            continue
+        src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        tree = SyntaxTreeNode(md.parse(src))
+        for node in tree.walk():
+            if node.type != "heading":
+                continue
+            slug = compute_unique_slug(node, seen, slug_func)
+            if slug:
+                seen[slug] = True
+                title = "".join(t.content for t in (node.children[0].children or [])
+                                if t.type in ("text", "code_inline")) if node.children else ""
+                headings.setdefault(cell.get("id", ""), []).append((title, slug))
+    return headings
+
+
+def pick_heading(headings: list[tuple[str, str]], link_text: str) -> str:
+    """The slug a link into a cell lands on: the cell's heading that the link names (``01 §Learner question Q1``
+    names ``Learner question Q1``; the longest title found in the link text wins), else the cell's first heading."""
+    named = [(len(title), slug) for title, slug in headings if title and title in link_text]
+    return max(named)[1] if named else headings[0][1]
+
+
+# ---- widgets -----------------------------------------------------------------------------------------------------
+
+def widget_png(state: dict, model_id: str) -> bytes | None:
+    """The PNG of the first ImageModel under ``model_id`` in a saved widget state (depth first, children in order)."""
+    models = state.get("state", {})
+    stack, seen = [model_id], set()
+    while stack:
+        mid = stack.pop(0)
+        if mid in seen or mid not in models:
+            continue
+        seen.add(mid)
+        m = models[mid]
+        if m.get("model_name") == "ImageModel":
+            for buf in m.get("buffers", []):
+                if buf.get("path") == ["value"] and buf.get("encoding") == "base64":
+                    png = base64.b64decode(buf["data"])
+                    if png.startswith(b"\x89PNG"):
+                        return png
+        children = m.get("state", {}).get("children", [])
+        stack[0:0] = [c[len("IPY_MODEL_"):] for c in children if isinstance(c, str) and c.startswith("IPY_MODEL_")]
+    return None
+
+
+def _markdown_cell(text: str, cell_id: str) -> dict:
+    return {"cell_type": "markdown", "id": cell_id, "metadata": {}, "source": text}
+
+
+def transform_notebook(nb: dict, docname: str, srcdir: Path) -> tuple[dict, list[str]]:
+    """The notebook as the site shows it, and the problems found (each one fails the build)."""
+    problems: list[str] = []
+    rel_path = docname + ".ipynb"
+    state = nb.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {})
+    here = posixpath.dirname(docname)
+    slug_cache: dict[str, dict[str, list[tuple[str, str]]] | None] = {}
+
+    def slugs_of(target: str) -> dict[str, list[tuple[str, str]]] | None:
+        if target not in slug_cache:
+            path = srcdir / posixpath.normpath(posixpath.join(here, target))
+            if not path.is_file():
+                slug_cache[target] = None
+            else:
+                slug_cache[target] = cell_heading_slugs(json.loads(path.read_text(encoding="utf-8"))["cells"])
+        return slug_cache[target]
+
+    def relink(m: re.Match) -> str:
+        target, cell_id = m.group("path") or "", m.group("id")
+        slugs = slugs_of(target or posixpath.basename(rel_path))
+        if slugs is None:
+            problems.append(f"{rel_path}: link to {target}#cell-id={cell_id}: no such notebook")
+            return m.group(0)
+        if cell_id not in slugs:
+            problems.append(f"{rel_path}: link to {target}#cell-id={cell_id}: that notebook has no cell {cell_id} "
+                            "that holds a heading (the site links to the heading of the cell)")
+            return m.group(0)
+        return f"[{m.group('text')}]({target}#{pick_heading(slugs[cell_id], m.group('text'))})"
+
+    cells = []
+    for cell in nb["cells"]:
+        src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        cell["source"] = src
+        if cell["cell_type"] == "markdown":
+            cell["source"] = CELL_LINK.sub(relink, src)
+        cells.append(cell)
+        widget_outputs = 0
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if WIDGET_VIEW not in data:
+                continue
+            model_id = data[WIDGET_VIEW].get("model_id", "")
+            png = widget_png(state, model_id)
+            if png is None:
+                problems.append(f"{rel_path}: cell {cell.get('id')}: widget {model_id} has no stored picture "
+                                "(no ImageModel with a PNG in metadata.widgets): save the notebook with its "
+                                "widget state")
+                continue
+            out["data"] = {"image/png": base64.b64encode(png).decode("ascii"),
+                           "text/plain": data.get("text/plain", "")}
+            out.setdefault("metadata", {})
+            widget_outputs += 1
+        if widget_outputs:
+            cells.append(_markdown_cell(WIDGET_NOTE.format(path=rel_path), f"{cell.get('id', 'cell')}-widget-note"))
+    if docname.startswith("exercises/"):
+        note = _markdown_cell(EXERCISE_NOTE.format(path=rel_path), "book-exercise-note")
+        first_md = next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown"), None)
+        cells.insert(0 if first_md is None else first_md + 1, note)
+    nb["cells"] = cells
+    nb.get("metadata", {}).pop("widgets", None)  # no widget JavaScript (MyST-NB would load it from a CDN)
+    return nb, problems
+
+
+# ---- Sphinx events -------------------------------------------------------------------------------------------------
+
+def _source_read(app: Sphinx, docname: str, source: list[str]) -> None:
+    if docname == app.config.root_doc:
+        source[0] = source[0] + TOCTREES
+        return
+    path = Path(app.env.doc2path(docname))
+    if path.suffix != ".ipynb":
+        return
+    nb, problems = transform_notebook(json.loads(source[0]), docname, Path(app.srcdir))
+    for p in problems:
+        logger.error(p, location=docname)
+    app.env.minillm_book_problems = getattr(app.env, "minillm_book_problems", []) + problems
+    source[0] = json.dumps(nb)
+
+
+def _page_context(app: Sphinx, pagename: str, templatename: str, context: dict, doctree) -> None:
+    other = COUNTERPARTS.get(pagename)
+    context["minillm_counterpart"] = (app.builder.get_relative_uri(pagename, other[0]), other[1]) if other else None
+    context["minillm_bilingual_in_place"] = (pagename.startswith(("notebooks/", "exercises/"))
+                                             or pagename == "docs/glossary")
+    if pagename in PAGE_LANG:
+        context["language"] = PAGE_LANG[pagename]
+
+
+MATHJAX_PARTS = ("tex-svg.js", "input", "output", "ui", "a11y", "sre", "adaptors")  # tex-svg and what it may load
+
+
+def _copy_mathjax(app: Sphinx, exception) -> None:
+    """MathJax 3 into _static/mathjax: the files sphinx-mathjax-offline ships (its Sphinx extension is not used)."""
+    if exception is not None or app.builder.format != "html":
+        return
+    import importlib.metadata
+
+    src = Path(importlib.metadata.distribution("sphinx-mathjax-offline").locate_file(
+        "sphinx-mathjax-offline/static/mathjax"))
+    dst = Path(app.outdir) / "_static" / "mathjax"
+    dst.mkdir(parents=True, exist_ok=True)
+    for part in MATHJAX_PARTS:
+        if (src / part).is_dir():
+            shutil.copytree(src / part, dst / part, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src / part, dst / part)
+
+
+def _redirect_index(app: Sphinx, exception) -> None:
+    """index.html: the English landing page (README.html) for a server that serves the folder."""
+    if exception is not None or app.builder.format != "html":
+        return
+    index = Path(app.outdir) / "index.html"
+    if app.config.root_doc != "index":
+        target = app.config.root_doc + ".html"
+        index.write_text(f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+                         f'<meta http-equiv="refresh" content="0; url={target}"><title>minillm</title></head>'
+                         f'<body><a href="{target}">minillm</a></body></html>\n', encoding="utf-8")
+
+
+def _check(app: Sphinx, exception) -> None:
+    """Run check_site over the finished site; each problem is a warning (an error under -W) and fails the build."""
+    if exception is not None or app.builder.format != "html":
+        return
+    from check_site import check_site
+
+    problems = check_site(Path(app.outdir), Path(app.srcdir))
+    for p in problems:
+        logger.warning(p, type="minillm_book", subtype="site")
+    if problems or getattr(app.env, "minillm_book_problems", []):
+        app.statuscode = 1  # fails even without -W
+
+
+def setup(app: Sphinx) -> dict:
+    app.connect("source-read", _source_read)
+    app.connect("html-page-context", _page_context)
+    app.connect("build-finished", _copy_mathjax)
+    app.connect("build-finished", _redirect_index)
+    app.connect("build-finished", _check, priority=900)  # after the copies above
+    return {"version": "1", "parallel_read_safe": False, "parallel_write_safe": True}

@@ -73,22 +73,25 @@ test-classroom: classroom
 	MINILLM_NBGRADER_CHAPTERS=all OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -p no:xdist tests/test_nbgrader.py
 
 # The course as a static website in build/book/ (README, "Read it as a website"): Sphinx + MyST-NB over the stored
-# notebooks, never executed; the [book] extra in the same .venv. Built from scratch each time, with every warning an
-# error, and checked at its end (book/_ext/check_site.py: links, anchors, images, a page per notebook).
+# notebooks, never executed. Needs only the [book] extra's packages (no torch), installed into .venv with the pins.
+# Built from scratch each time, every warning an error, and checked at its end (book/_ext/check_site.py: links,
+# anchors, images, scripts from outside, a page per notebook).
 BOOK_STAMP := $(VENV)/.book-installed
 BOOK_DIR := build/book
-$(BOOK_STAMP): $(STAMP) pyproject.toml requirements/constraints.txt
-	$(PY) -m pip install -q -c requirements/constraints.txt -e ".[book]"
+BOOK_REQS = $(shell $(PYTHON) -c "import tomllib; print(' '.join(\"'\" + r + \"'\" for r in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['book']))")
+$(BOOK_STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade "pip>=24"; }
+	$(PY) -m pip install -q -c requirements/constraints.txt $(BOOK_REQS)
 	touch $(BOOK_STAMP)
 
-book: setup $(BOOK_STAMP)
+book: $(BOOK_STAMP)
 	rm -rf $(BOOK_DIR) build/book-doctrees build/jupyter_execute  # (MyST-NB writes output images to build/jupyter_execute)
 	$(PY) -m sphinx -W --keep-going -q -b html -c book -d build/book-doctrees . $(BOOK_DIR)
-	@echo "the site: $(BOOK_DIR)/index.html (python -m http.server -d $(BOOK_DIR), then http://127.0.0.1:8000)"
+	@echo "the site: $(BOOK_DIR)/index.html (or python -m http.server -d $(BOOK_DIR), then http://127.0.0.1:8000)"
 
 # The site's checks: the build fails on broken input (tests/book_checks.py builds small broken sites), and the built
-# site in Chromium (tests/book_browser.py). Kept out of `make test`, like tests/browser_run_all.py.
-test-book: book
+# site in Chromium (tests/book_browser.py). They need the test set-up; kept out of `make test`, like browser_run_all.py.
+test-book: setup book
 	$(PY) -m pytest -p no:xdist tests/book_checks.py tests/book_browser.py
 
 exercises: setup

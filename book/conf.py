@@ -15,7 +15,7 @@ author = "the minillm authors"
 copyright = "the minillm authors, Apache-2.0"
 html_title = "minillm · build an LLM inference engine like vLLM"
 
-extensions = ["myst_nb", "sphinx.ext.mathjax", "minillm_book"]
+extensions = ["myst_nb", "sphinx.ext.mathjax", "sphinx.ext.githubpages", "minillm_book"]  # githubpages: .nojekyll
 
 root_doc = "README"  # the English landing page; README.zh-CN.md is the Chinese one
 include_patterns = ["README.md", "README.zh-CN.md", "docs/**", "notebooks/**", "exercises/**"]

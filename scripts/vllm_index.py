@@ -75,6 +75,7 @@ import json
 import re
 import sys
 import tokenize
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,13 +135,13 @@ def _walk_scope(body: list[ast.stmt]):
 KEPT_DUNDERS = frozenset({"__init__", "__post_init__", "__call__"})
 
 
-def _self_attributes(cls: ast.ClassDef) -> set[str]:
-    """``self.x`` names assigned in the class's own methods (instance attributes, the state a learner reads)."""
-    names: set[str] = set()
+def _self_assignments(cls: ast.ClassDef) -> Iterator[tuple[ast.stmt, str]]:
+    """``(assignment, x)`` for each ``self.x = ...`` in the class's own methods (``self`` is the first parameter:
+    usually `self`; `cls` for classmethods, which set class attributes)."""
     for stmt in cls.body:
         if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) or not stmt.args.args:
             continue
-        self_name = stmt.args.args[0].arg  # usually `self`; `cls` for classmethods, which set class attributes
+        self_name = stmt.args.args[0].arg
         for node in ast.walk(stmt):
             if isinstance(node, ast.Assign):
                 targets = node.targets
@@ -152,8 +153,12 @@ def _self_attributes(cls: ast.ClassDef) -> set[str]:
                 for sub in ast.walk(target):
                     if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
                             and sub.value.id == self_name):
-                        names.add(sub.attr)
-    return names
+                        yield node, sub.attr
+
+
+def _self_attributes(cls: ast.ClassDef) -> set[str]:
+    """``self.x`` names assigned in the class's own methods (instance attributes, the state a learner reads)."""
+    return {attr for _, attr in _self_assignments(cls)}
 
 
 def index_source(source: str, filename: str = "<vllm>") -> str:
@@ -284,21 +289,8 @@ class _Lines:
 
     def _methods(self, cls: ast.ClassDef, qual: str) -> None:
         """``self.x = ...`` in the class's methods documents ``Class.x`` (``self.cascade_attn_enabled = False``)."""
-        for stmt in cls.body:
-            if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) or not stmt.args.args:
-                continue
-            self_name = stmt.args.args[0].arg
-            for node in ast.walk(stmt):
-                if isinstance(node, ast.Assign):
-                    targets = node.targets
-                elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-                    targets = [node.target]
-                else:
-                    continue
-                for target in targets:
-                    if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
-                            and target.value.id == self_name):
-                        self._add(node.lineno, node.end_lineno or node.lineno, f"{qual}.{target.attr}")
+        for node, attr in _self_assignments(cls):
+            self._add(node.lineno, node.end_lineno or node.lineno, f"{qual}.{attr}")
 
     def scope_of(self, line: int) -> str:
         """The innermost def/class around ``line`` (``""``: the module)."""

@@ -138,9 +138,11 @@ def test_exercise_pages_say_how_to_open_them_locally():
 
 def test_math_is_served_from_the_site():
     html = (_site() / "notebooks" / "01_attention_and_chunks.html").read_text(encoding="utf-8")
-    src = re.search(r'<script[^>]+src="([^"]*MathJax\.js[^"]*)"', html)
-    assert src and not re.match(r"(https?:)?//", src.group(1)), "MathJax must load from the site itself"
-    assert (SITE / "_static" / "mathjax" / "MathJax.js").is_file()
+    src = re.search(r'<script[^>]+src="([^"]*tex-svg\.js[^"]*)"', html)
+    assert src, "the page does not load MathJax (tex-svg.js)"
+    assert not re.match(r"(https?:)?//", src.group(1)), f"MathJax must load from the site itself, not {src.group(1)}"
+    assert (SITE / "_static" / "mathjax" / "tex-svg.js").is_file()
+    assert (SITE / "_static" / "mathjax" / "input" / "tex" / "extensions").is_dir()  # what tex-svg.js may load
     assert 'class="math' in html
 
 

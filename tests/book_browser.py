@@ -9,7 +9,7 @@ request that is not to that server is aborted and recorded: the site must work w
   font that drew the glyphs, via the DevTools protocol; a missing font would draw boxes).
 - **One page per chapter** (every lesson and every exercise page): no console error, no page error, no request
   leaves the server; every image has loaded (``naturalWidth > 0``); where the page has math, MathJax has typeset
-  every formula (an output element per ``.math`` span, no ``merror``).
+  every formula (an output element per ``.math`` span, no ``merror``, no undefined macro drawn in red).
 - **Search** for ``slot_mapping`` lists results (Sphinx's offline index).
 - **The Q1 link** of notebook 00's question table, clicked, lands on notebook 01 at the section headed
   ``Learner question Q1``, scrolled into view.
@@ -188,7 +188,11 @@ def test_chapter_page(watched, site, path):
             typeset = page.locator("article .math .MathJax").count()
             pytest.fail(f"{path}: MathJax typeset {typeset} of {n_math} formulas (MathJax loaded: "
                         f"{page.evaluate('typeof MathJax')}); {watched.errors[:3]} {watched.offsite[:3]}")
-        assert page.locator("article .math [data-mml-node='merror']").count() == 0, f"{path}: TeX errors"
+        # A TeX error is an merror node; an undefined macro is drawn as red text (MathJax's noundefined).
+        bad = page.evaluate("Array.from(document.querySelectorAll('article .math')).filter(e => e.querySelector("
+                            "\"[data-mml-node='merror'], [data-mml-node='mtext'][fill='red']\")).map(e => "
+                            "e.querySelector('mjx-assistive-mml, script')?.textContent || e.getAttribute('class'))")
+        assert not bad, f"{path}: {len(bad)} formulas with TeX errors or undefined macros"
     if path == "notebooks/04_scheduler.html":
         _shot(page, "chapter-04.png")
         page.locator("text=The widget above is its stored picture").first.scroll_into_view_if_needed()

@@ -9,7 +9,9 @@ vLLM counterpart: ``vllm/engine/arg_utils.py`` (``EngineArgs``, ``EngineArgs.cre
 the same values over ``ModelConfig``, ``CacheConfig`` and ``SchedulerConfig``. vLLM spells our ``num_gpu_blocks``
 ``num_gpu_blocks_override`` and sizes the cache by default from ``gpu_memory_utilization`` (a fraction of the GPU
 for weights, activations *and* cache); ``kv_cache_memory_fraction`` here is the fraction of the device's free memory
-given to the KV cache alone, which is simpler to reason about on a CPU.
+given to the KV cache alone, which is simpler to reason about on a CPU. vLLM's ``dtype`` defaults to ``"auto"``
+(``vllm/config/model.py:_get_and_verify_dtype``); ours defaults to fp32 on a CPU, what the lessons compare against
+transformers in, and ``"auto"`` (bf16 where the CPU multiplies it natively) is asked for, as ``serve --dtype auto``.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 
 from minillm.attention.paged import BACKENDS
 from minillm.config import SCHEDULING_POLICIES, KVTransferConfig, LlamaConfig, SchedulerConfig
+from minillm.platforms.cpu import DtypeChoice, preferred_cpu_dtype
 
 # Used when neither num_gpu_blocks, kv_cache_memory_bytes nor kv_cache_memory_fraction is given.
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 ** 2
@@ -38,15 +41,35 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> DtypeChoice:
+    """The dtype of weights, activations and KV cache, and why.
+
+    - ``None`` (the default): fp32 on a CPU, the dtype every lesson and test compares against transformers in;
+      fp16 on a GPU.
+    - ``"auto"``: the dtype the machine is built for (vLLM's ``"auto"``): on a CPU bf16 where it has AMX-BF16 or
+      AVX512-BF16, else fp32 (:func:`minillm.platforms.cpu.preferred_cpu_dtype`); fp16 on a GPU.
+    - a name (``"float32"``, ``"bf16"``, ...) or a floating-point ``torch.dtype``: that dtype.
+
+    Raises:
+        ValueError: any other value, naming the allowed ones.
+    """
+    on_cpu = device == "cpu"
+    if dtype is None:
+        return DtypeChoice(torch.float32, "the default on a CPU: exact against the fp32 oracle") if on_cpu else \
+            DtypeChoice(torch.float16, "the default on a GPU")
+    if isinstance(dtype, str) and dtype.lower() == "auto":
+        return preferred_cpu_dtype() if on_cpu else DtypeChoice(torch.float16, "auto on a GPU")
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return DtypeChoice(dtype, "asked for")
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return DtypeChoice(_DTYPES[dtype.lower()], "asked for")
+    raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)} (or None, the default: fp32 on a CPU), "
+                     f"got {dtype!r}")
+
+
 def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    """``"auto"``/``None`` -> fp32 on a CPU, fp16 on a GPU; names like ``"float32"``, ``"bf16"``; or a dtype."""
-    if dtype is None or dtype == "auto":
-        return torch.float32 if device == "cpu" else torch.float16
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
+    """:func:`resolve_dtype` without the reason."""
+    return resolve_dtype(dtype, device).dtype
 
 
 def available_memory_bytes(device: str) -> int:
@@ -128,7 +151,10 @@ class EngineArgs:
             :class:`~minillm.config.KVTransferConfig`, a dict of its fields or their JSON text (vLLM's
             ``--kv-transfer-config``), e.g. ``{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}``.
-        dtype: weights, activations and KV cache: ``"auto"`` (fp32 on CPU, fp16 on GPU), ``"float32"``, ...
+        dtype: weights, activations and KV cache (the cache follows the model, as vLLM's ``kv_cache_dtype="auto"``).
+            ``None`` (default): fp32 on a CPU, exact against transformers' fp32 model, fp16 on a GPU. ``"auto"``: the
+            dtype the machine is built for, bf16 on a CPU with AMX-BF16 or AVX512-BF16, else fp32 (fp16 on a GPU).
+            Or ``"float32"``, ``"bfloat16"``, ``"float16"`` (also ``fp32``, ``bf16``, ``fp16``, ``half``).
         device: ``"cpu"``, ``"cuda"``; ``None``: a GPU if there is one.
         seed: seeds the global generator that unseeded random sampling uses.
     """
@@ -149,7 +175,7 @@ class EngineArgs:
     attention_backend: str | None = None
     speculative_config: dict | None = None
     kv_transfer_config: KVTransferConfig | dict | None = None
-    dtype: str = "auto"
+    dtype: str | torch.dtype | None = None
     device: str | None = None
     seed: int = 0
 
@@ -217,6 +243,10 @@ class EngineArgs:
     def resolved_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype, self.resolved_device())
 
+    def dtype_choice(self) -> DtypeChoice:
+        """:meth:`resolved_dtype` and why (what ``serve`` and ``bench`` print at start-up)."""
+        return resolve_dtype(self.dtype, self.resolved_device())
+
     def resolved_attention_backend(self) -> str:
         if self.attention_backend is not None:
             return self.attention_backend
@@ -244,11 +274,16 @@ class EngineArgs:
                                long_prefill_token_threshold=self.long_prefill_token_threshold,
                                policy=self.scheduling_policy)
 
-    def resolved_num_gpu_blocks(self, model_config: LlamaConfig, max_model_len: int) -> int:
-        """KV blocks to allocate (null block included), from the explicit count or a memory budget."""
+    def resolved_num_gpu_blocks(self, model_config: LlamaConfig, max_model_len: int,
+                                kv_cache_dtype: torch.dtype | None = None) -> int:
+        """KV blocks to allocate (null block included), from the explicit count or a memory budget.
+
+        ``kv_cache_dtype`` is the dtype of the cache (the engine passes its model's: a bf16 model gets twice the
+        blocks of an fp32 one in the same bytes); ``None``: :meth:`resolved_dtype`.
+        """
         if self.num_gpu_blocks is not None:
             return self.num_gpu_blocks
-        dtype_bytes = torch.empty((), dtype=self.resolved_dtype()).element_size()
+        dtype_bytes = torch.empty((), dtype=kv_cache_dtype or self.resolved_dtype()).element_size()
         block_bytes = self.block_size * model_config.kv_cache_bytes_per_token(dtype_bytes)
         if self.kv_cache_memory_bytes is not None:
             budget = self.kv_cache_memory_bytes

@@ -118,7 +118,7 @@ class LLMEngine:
         self.model_config: LlamaConfig = model.config
         self.scheduler_config = args.create_scheduler_config(model.config)
         self.max_model_len = self.scheduler_config.max_model_len
-        self.num_gpu_blocks = args.resolved_num_gpu_blocks(model.config, self.max_model_len)
+        self.num_gpu_blocks = args.resolved_num_gpu_blocks(model.config, self.max_model_len, model.dtype)
         # Without an explicit choice, the backend follows where the model is (a CPU model on a machine that also has
         # a GPU must not get the GPU's Triton kernels).
         self.attention_backend = (args.attention_backend if args.attention_backend is not None

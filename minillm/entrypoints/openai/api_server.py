@@ -513,6 +513,7 @@ def run_server(args: argparse.Namespace) -> int:
                        "set --api-key or $%s", args.host, API_KEY_ENV)
     if engine_args.resolved_attention_backend() == "triton" and engine_args.resolved_device() == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    print(f"minillm: dtype {engine_args.dtype_choice()}", flush=True)
     from minillm.engine.llm_engine import LLMEngine
 
     try:

@@ -14,8 +14,6 @@ plain ``model.to(torch.bfloat16)`` rounds the frequencies too: the logits then m
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -23,6 +21,7 @@ import minillm
 from minillm.benchmarks.throughput import TIE_GAPS, Workload, compare_greedy, run_minillm
 from minillm.engine.arg_utils import EngineArgs, parse_dtype, resolve_dtype
 from minillm.platforms.cpu import cpu_flags, native_bf16, preferred_cpu_dtype
+from tests.dtype_helpers import bf16_copy
 from tests.engine_helpers import single_thread  # noqa: F401
 from tests.prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
 
@@ -75,19 +74,9 @@ def test_kv_cache_follows_the_model_dtype():
 
 
 # -- the bf16 oracle ----------------------------------------------------------------------------------------------
-def _bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` in bf16, its RoPE ``inv_freq`` buffers kept in fp32 (as both loaders do for ``dtype=bf16``)."""
-    freqs = {name: buf for name, buf in model.named_buffers() if name.rpartition(".")[2].endswith("inv_freq")}
-    out = copy.deepcopy(model).to(torch.bfloat16)
-    for name, buf in freqs.items():
-        owner, _, attr = name.rpartition(".")
-        setattr(out.get_submodule(owner), attr, buf.clone())
-    return out.eval()
-
-
 @pytest.fixture(scope="module")
 def bf16_models(model, hf_oracle):
-    return _bf16_copy(model), _bf16_copy(hf_oracle)
+    return bf16_copy(model), bf16_copy(hf_oracle)
 
 
 @pytest.mark.usefixtures("single_thread")

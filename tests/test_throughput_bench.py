@@ -1,10 +1,13 @@
-"""The throughput benchmark: its workload, its FLOP count, and a tiny run of every peer."""
+"""The throughput benchmark: its workload, its FLOP count, a tiny run of every peer, and one in bf16."""
 from __future__ import annotations
 
-import pytest
+import argparse
 
-from minillm.benchmarks.throughput import (OUTPUT_LENS, format_report, make_workload, run_benchmark,
-                                           workload_flops)
+import pytest
+import torch
+
+from minillm.benchmarks.throughput import (OUTPUT_LENS, format_report, make_workload, measure_matmul_flops,
+                                           run_benchmark, workload_flops)
 from minillm.config import LlamaConfig
 from tests.engine_helpers import single_thread  # noqa: F401
 
@@ -48,3 +51,38 @@ def test_tiny_benchmark_run(smollm, hf_oracle):
     assert "minillm reaches" in text and "minillm-ngram reaches" in text and "hf-batch" in text
     passes = report["forward_passes"]
     assert passes["minillm-ngram"] <= passes["minillm"] and "forward passes: minillm" in text
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_tiny_bf16_run_is_at_one_precision(smollm, hf_oracle):
+    """Every peer and the roofline run in the model's dtype, and the report says which and on what CPU; a
+    transformers model in another dtype is refused (peers compare at equal precision)."""
+    from tests.dtype_helpers import bf16_copy
+
+    model, hf = bf16_copy(smollm[0]), bf16_copy(hf_oracle)
+    w = make_workload(2, 8, 12, (2, 3), seed=2)
+    report = run_benchmark(w, ("minillm", "hf-padded", "roofline"), model=model, tokenizer=smollm[1], hf_model=hf,
+                           matmul_seconds=0.1)
+    assert report["dtype"] == "bfloat16" and report["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    same = report["greedy_minillm_vs_hf-padded"]
+    assert same["real_divergences"] == 0 and same["identical"] + same["near_tie_divergences"] == 2, same
+    text = format_report(report)
+    assert "dtype: bfloat16" in text and "GFLOP/s in bfloat16" in text
+    with pytest.raises(ValueError, match="one precision"):
+        run_benchmark(w, ("minillm", "hf-padded"), model=model, tokenizer=smollm[1], hf_model=hf_oracle)
+
+
+def test_matmul_roofline_is_measured_in_the_dtype_asked_for():
+    cfg = LlamaConfig()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert measure_matmul_flops(cfg, seconds=0.01, rows=16, dtype=dtype) > 0
+
+
+def test_cli_dtype_choices():
+    from minillm.benchmarks.throughput import add_cli_args
+
+    parser = add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).dtype == "float32"
+    assert parser.parse_args(["--dtype", "auto"]).dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "float16"])

@@ -12,7 +12,12 @@ produce exactly the same tokens. Measured, in one run:
   request with its own ``max_new_tokens``.
 - **roofline**: the matmul FLOPs the workload needs (every prompt token and every fed-back output token through the
   30 layers, causal attention, the LM head only on the rows that are sampled), divided by the matmul throughput
-  measured on this machine in the same run. No engine can beat it without skipping work.
+  measured on this machine in the same run, in the same dtype. No engine can beat it without skipping work.
+
+Every system runs at one precision, ``--dtype``: ``float32`` (the default, the lessons' dtype), ``bfloat16``, or
+``auto``, what this CPU is built for (:func:`minillm.platforms.cpu.preferred_cpu_dtype`: bf16 with AMX-BF16 or
+AVX512-BF16, several times fp32's matmul speed there; fp32 elsewhere, where bf16 is emulated). The report names
+the dtype, why it was chosen, and PyTorch's CPU capability.
 
 Throughput is *useful* output tokens per second: the tokens each request asked for, ``sum(output_lens)``, over the
 wall time; padding and tokens generated past a request's length do not count. Ratios between systems measured in
@@ -83,13 +88,15 @@ def workload_flops(config: LlamaConfig, workload: Workload) -> int:
     return one_layer * config.num_hidden_layers + lm_head_flops(config, workload.num_output_tokens)
 
 
-def measure_matmul_flops(config: LlamaConfig, seconds: float = 2.0, rows: int = 512) -> float:
-    """Best FLOP/s of fp32 matmuls of the model's own shapes (``rows`` tokens through the MLP and attention
-    projections), the ceiling the engine's big prefill steps can reach."""
+def measure_matmul_flops(config: LlamaConfig, seconds: float = 2.0, rows: int = 512,
+                         dtype: torch.dtype = torch.float32) -> float:
+    """Best FLOP/s of matmuls of the model's own shapes (``rows`` tokens through the MLP and attention
+    projections) in ``dtype``, the ceiling the engine's big prefill steps can reach at that precision (bf16 runs
+    several times faster than fp32 on a CPU with AMX-BF16 or AVX512-BF16, slower on one without)."""
     h, i = config.hidden_size, config.intermediate_size
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
     shapes = [(rows, h, i), (rows, i, h), (rows, h, qkv)]
-    mats = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
+    mats = [(torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)) for m, k, n in shapes]
     flops_per_round = sum(2 * m * k * n for m, k, n in shapes)
     best = 0.0
     end = time.perf_counter() + seconds
@@ -188,12 +195,27 @@ def run_hf_batch(hf_model: Any, workload: Workload, timeout_s: float = 1800.0) -
     return PeerResult("hf-batch", seconds, workload.num_output_tokens, tokens)
 
 
+# Two logits closer than this are a tie that rounding in that dtype may break either way. fp32: 1e-4, far above
+# its rounding (~1e-6 on logits of size 10-30). bf16 keeps 8 significant bits (a logit in [16, 32) is a multiple of
+# 0.125) and rounds every layer's output: on the top-2 logits of 1,032 positions of tests/test_bf16_oracle.py's
+# prompts, minillm in bf16 sat a median 0.125 from transformers in bf16, 0.5 at the 99th percentile, 0.875 at most
+# (transformers' bf16 from its own fp32: 0.09, 0.5, 0.76). So 0.5, four steps of that grid.
+TIE_GAPS = {torch.float32: 1e-4, torch.bfloat16: 0.5}
+
+
 @torch.inference_mode()
 def compare_greedy(ours: list[list[int]], theirs: list[list[int]], hf_model: Any, workload: Workload,
-                   tie_gap: float = 1e-4) -> dict[str, int]:
+                   tie_gap: float | None = None) -> dict[str, Any]:
     """Count identical sequences; at a divergence, recompute transformers' logits there (unpadded) and count it as a
-    near tie if the two best logits are within ``tie_gap`` and our token is one of them."""
+    near tie if the two best logits are within ``tie_gap`` (default: :data:`TIE_GAPS` of the model's dtype) and
+    our token is one of them. ``tie_gaps`` lists the gaps measured at the near ties."""
+    if tie_gap is None:
+        if hf_model.dtype not in TIE_GAPS:
+            raise ValueError(f"no near-tie gap measured for {hf_model.dtype} (only {sorted(map(str, TIE_GAPS))}); "
+                             f"pass tie_gap")
+        tie_gap = TIE_GAPS[hf_model.dtype]
     identical = ties = real = 0
+    gaps = []
     for prompt, a, b in zip(workload.prompts, ours, theirs):
         if a == b:
             identical += 1
@@ -201,15 +223,18 @@ def compare_greedy(ours: list[list[int]], theirs: list[list[int]], hf_model: Any
         i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         logits = hf_model(torch.tensor([prompt + a[:i]])).logits[0, -1].float()
         top = logits.topk(2)
-        if i < len(a) and float(top.values[0] - top.values[1]) < tie_gap and a[i] in top.indices.tolist():
+        gap = float(top.values[0] - top.values[1])
+        if i < len(a) and gap < tie_gap and a[i] in top.indices.tolist():
             ties += 1
+            gaps.append(round(gap, 6))
         else:
             real += 1
-    return {"identical": identical, "near_tie_divergences": ties, "real_divergences": real}
+    return {"identical": identical, "near_tie_divergences": ties, "real_divergences": real, "tie_gaps": gaps}
 
 
-def load_hf_model(progress: bool = False) -> Any:
-    """transformers' own fp32 model of the course's GGUF file (the peer and the oracle), quietly by default."""
+def load_hf_model(progress: bool = False, dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' own model of the course's GGUF file in ``dtype`` (the peer and the oracle), quietly by
+    default."""
     import functools
 
     from transformers import AutoModelForCausalLM
@@ -224,18 +249,27 @@ def load_hf_model(progress: bool = False) -> Any:
     bar = getattr(gguf_utils, "tqdm", None)
     if bar is not None and not progress:
         gguf_utils.tqdm = functools.partial(bar, disable=True)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    if not progress:  # outside fp32 it warns that packed GGUF weights compute in fp32: they are unpacked here
+        hf_logging.set_verbosity_error()
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                    dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
     finally:
+        hf_logging.set_verbosity(verbosity)
         if bar is not None:
             gguf_utils.tqdm = bar
 
 
 def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any = None, tokenizer: Any = None,
                   hf_model: Any = None, engine_args: dict[str, Any] | None = None, matmul_seconds: float = 2.0,
-                  log: Any = None, repeat: int = 1) -> dict[str, Any]:
+                  log: Any = None, repeat: int = 1, dtype: str | torch.dtype | None = None) -> dict[str, Any]:
     """Run the chosen peers on ``workload``; return tokens/s of each, the ratios and the greedy comparison.
+
+    Every system runs at one precision: ``dtype`` (as ``EngineArgs.dtype`` takes it: ``None`` is fp32, ``"auto"``
+    what this CPU is built for) when ``model`` is not given, else the given model's dtype. transformers is loaded in
+    it, and the roofline's matmuls are measured in it.
 
     With ``repeat > 1`` the systems run in interleaved rounds (A, B, C, A, B, C, ...) and each keeps its fastest
     round: on a shared machine, load from other processes only ever slows a run down, so the best round is the
@@ -247,15 +281,23 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
     if unknown:
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {PEERS}")
     say = log or (lambda *a: None)
+    from minillm.engine.arg_utils import resolve_dtype
+    from minillm.platforms.cpu import cpu_capability
+
+    choice = resolve_dtype(dtype if model is None else model.dtype, "cpu")
     if model is None:
         import minillm
 
-        model, tokenizer = minillm.load_model()
+        model, tokenizer = minillm.load_model(dtype=choice.dtype)
     if hf_model is None and any(p.startswith("hf") for p in peers):
-        hf_model = load_hf_model()
+        hf_model = load_hf_model(dtype=model.dtype)
+    if hf_model is not None and hf_model.dtype != model.dtype:
+        raise ValueError(f"the peers must run at one precision: minillm's model is {model.dtype}, transformers' "
+                         f"{hf_model.dtype}")
     results: dict[str, PeerResult] = {}
     report: dict[str, Any] = {"num_requests": len(workload.prompts), "prompt_tokens": workload.num_prompt_tokens,
-                              "output_tokens": workload.num_output_tokens, "threads": torch.get_num_threads()}
+                              "output_tokens": workload.num_output_tokens, "threads": torch.get_num_threads(),
+                              "dtype": choice.name, "dtype_reason": choice.reason, "cpu_capability": cpu_capability()}
     runners = {"minillm": lambda: run_minillm(model, tokenizer, workload, **(engine_args or {})),
                "minillm-ngram": lambda: run_minillm(model, tokenizer, workload,
                                                     **{**(engine_args or {}), "speculative_config": NGRAM_SPEC}),
@@ -265,7 +307,7 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
     for round_ in range(repeat):
         for name in (p for p in PEERS if p in peers):
             if name == "roofline":
-                peak = max(peak, measure_matmul_flops(model.config, matmul_seconds))
+                peak = max(peak, measure_matmul_flops(model.config, matmul_seconds, dtype=model.dtype))
                 say(f"round {round_ + 1}: matmul {peak / 1e9:.1f} GFLOP/s (best so far)")
                 continue
             r = runners[name]()
@@ -277,7 +319,7 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
     if "roofline" in peers:
         flops = workload_flops(model.config, workload)
         tps["roofline"] = workload.num_output_tokens / (flops / peak)
-        report.update(workload_gflop=flops / 1e9, matmul_gflops=peak / 1e9)
+        report.update(workload_gflop=flops / 1e9, matmul_gflops=peak / 1e9)  # matmuls in the workload's dtype
     report["tokens_per_second"] = tps
     report["seconds"] = {name: r.seconds for name, r in results.items()}
     for ours in ("minillm", "minillm-ngram"):
@@ -307,6 +349,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32",
+                        help="the precision of every system and of the roofline's matmuls (default float32, the "
+                             "lessons' dtype; auto: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, else float32)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved rounds; each system keeps its fastest (default 1)")
     parser.add_argument("--json", type=str, default=None, help="also write the report to this file")
@@ -325,7 +370,10 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     engine_args = {"block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_num_seqs": args.max_num_seqs}
     peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
-    report = run_benchmark(workload, peers, engine_args=engine_args, repeat=args.repeat,
+    from minillm.engine.arg_utils import resolve_dtype
+
+    print(f"dtype: {resolve_dtype(args.dtype, 'cpu')}", file=sys.stderr, flush=True)
+    report = run_benchmark(workload, peers, engine_args=engine_args, repeat=args.repeat, dtype=args.dtype,
                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_report(report))
     if args.json:
@@ -337,7 +385,9 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"workload: {report['num_requests']} requests, {report['prompt_tokens']} prompt tokens, "
              f"{report['output_tokens']} output tokens; torch threads: {report['threads']}; "
-             f"best of {report.get('repeat', 1)} round(s)"]
+             f"best of {report.get('repeat', 1)} round(s)",
+             f"dtype: {report['dtype']} ({report['dtype_reason']}), every system and the roofline; "
+             f"torch CPU capability {report['cpu_capability']}"]
     lines.append(f"{'system':<15}{'tok/s':>10}{'minillm / it':>15}{'minillm-ngram / it':>20}")
     for name, v in report["tokens_per_second"].items():
         cells = [report.get(f"{ours}_over", {}).get(name) for ours in ("minillm", "minillm-ngram")]
@@ -347,7 +397,8 @@ def format_report(report: dict[str, Any]) -> str:
     for ours in ("minillm", "minillm-ngram"):
         if "roofline" in tps and ours in tps:
             lines.append(f"{ours} reaches {tps[ours] / tps['roofline']:.2f} of the roofline "
-                         f"({report['workload_gflop']:.0f} GFLOP at {report['matmul_gflops']:.1f} GFLOP/s)")
+                         f"({report['workload_gflop']:.0f} GFLOP at {report['matmul_gflops']:.1f} GFLOP/s in "
+                         f"{report['dtype']})")
     if report.get("forward_passes"):
         lines.append("forward passes: " + ", ".join(f"{k} {v}" for k, v in report["forward_passes"].items()))
     if report.get("ngram_acceptance_rate") is not None:

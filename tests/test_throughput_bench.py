@@ -86,3 +86,28 @@ def test_cli_dtype_choices():
     assert parser.parse_args(["--dtype", "auto"]).dtype == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "float16"])
+
+
+def test_llama_cpp_peer_is_skipped_without_a_build(smollm, tmp_path, monkeypatch):
+    monkeypatch.delenv("LLAMA_CPP_BIN", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    w = make_workload(1, 4, 4, (1,), seed=0)
+    report = run_benchmark(w, ("minillm", "llama.cpp"), model=smollm[0], tokenizer=smollm[1],
+                           llama_cpp_bin=str(tmp_path))
+    assert set(report["tokens_per_second"]) == {"minillm"} and "no build found" in report["skipped"]["llama.cpp"]
+    assert "llama.cpp: skipped, no build found" in format_report(report)
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_llama_cpp_peer_at_bf16_when_built(smollm, hf_oracle):
+    """Only where a llama.cpp build is found (see minillm/benchmarks/llama_cpp.py for how to make one)."""
+    from minillm.benchmarks.llama_cpp import find_llama_cpp
+    from tests.dtype_helpers import bf16_copy
+
+    if find_llama_cpp() is None:
+        pytest.skip("no llama.cpp build ($LLAMA_CPP_BIN or llama-server on PATH)")
+    w = make_workload(3, 8, 20, (2, 3), seed=1)
+    report = run_benchmark(w, ("minillm", "llama.cpp"), model=bf16_copy(smollm[0]), tokenizer=smollm[1],
+                           hf_model=bf16_copy(hf_oracle))
+    assert report["tokens_per_second"]["llama.cpp"] > 0 and report["dtype"] == "bfloat16"
+    assert report["greedy_minillm_vs_llama.cpp"]["real_divergences"] == 0, report["greedy_minillm_vs_llama.cpp"]

@@ -10,6 +10,8 @@ produce exactly the same tokens. Measured, in one run:
   static batch: short requests keep occupying their row until the longest one ends).
 - **hf-batch**: transformers ``generate_batch``-style continuous batching (its ``ContinuousBatchingManager``), each
   request with its own ``max_new_tokens``.
+- **llama.cpp**: its ``llama-server`` on an F32 or BF16 GGUF of the same weights, one slot per request, when a
+  build is present (:mod:`minillm.benchmarks.llama_cpp` says how to build one offline); skipped otherwise.
 - **roofline**: the matmul FLOPs the workload needs (every prompt token and every fed-back output token through the
   30 layers, causal attention, the LM head only on the rows that are sampled), divided by the matmul throughput
   measured on this machine in the same run, in the same dtype. No engine can beat it without skipping work.
@@ -43,7 +45,7 @@ from minillm.analysis.flops import layer_flops, lm_head_flops
 from minillm.config import LlamaConfig
 
 OUTPUT_LENS = (8, 16, 32, 64, 96)
-PEERS = ("minillm", "minillm-ngram", "hf-padded", "hf-batch", "roofline")
+PEERS = ("minillm", "minillm-ngram", "hf-padded", "hf-batch", "llama.cpp", "roofline")
 # What the "minillm-ngram" peer adds to the engine arguments: prompt-lookup speculative decoding.
 NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -264,12 +266,14 @@ def load_hf_model(progress: bool = False, dtype: torch.dtype = torch.float32) ->
 
 def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any = None, tokenizer: Any = None,
                   hf_model: Any = None, engine_args: dict[str, Any] | None = None, matmul_seconds: float = 2.0,
-                  log: Any = None, repeat: int = 1, dtype: str | torch.dtype | None = None) -> dict[str, Any]:
+                  log: Any = None, repeat: int = 1, dtype: str | torch.dtype | None = None,
+                  llama_cpp_bin: str | None = None) -> dict[str, Any]:
     """Run the chosen peers on ``workload``; return tokens/s of each, the ratios and the greedy comparison.
 
     Every system runs at one precision: ``dtype`` (as ``EngineArgs.dtype`` takes it: ``None`` is fp32, ``"auto"``
     what this CPU is built for) when ``model`` is not given, else the given model's dtype. transformers is loaded in
-    it, and the roofline's matmuls are measured in it.
+    it, and the roofline's matmuls are measured in it. The ``llama.cpp`` peer is skipped (``report["skipped"]``
+    says why) when :func:`~minillm.benchmarks.llama_cpp.find_llama_cpp` finds no build.
 
     With ``repeat > 1`` the systems run in interleaved rounds (A, B, C, A, B, C, ...) and each keeps its fastest
     round: on a shared machine, load from other processes only ever slows a run down, so the best round is the
@@ -294,6 +298,16 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
     if hf_model is not None and hf_model.dtype != model.dtype:
         raise ValueError(f"the peers must run at one precision: minillm's model is {model.dtype}, transformers' "
                          f"{hf_model.dtype}")
+    skipped: dict[str, str] = {}
+    llama_bin = None
+    if "llama.cpp" in peers:
+        from minillm.benchmarks.llama_cpp import find_llama_cpp, run_llama_cpp
+
+        llama_bin = find_llama_cpp(llama_cpp_bin)
+        if llama_bin is None:
+            skipped["llama.cpp"] = "no build found (--llama-cpp-bin, $LLAMA_CPP_BIN or llama-server on PATH)"
+            say(f"llama.cpp: skipped, {skipped['llama.cpp']}")
+            peers = tuple(p for p in peers if p != "llama.cpp")
     results: dict[str, PeerResult] = {}
     report: dict[str, Any] = {"num_requests": len(workload.prompts), "prompt_tokens": workload.num_prompt_tokens,
                               "output_tokens": workload.num_output_tokens, "threads": torch.get_num_threads(),
@@ -302,7 +316,8 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
                "minillm-ngram": lambda: run_minillm(model, tokenizer, workload,
                                                     **{**(engine_args or {}), "speculative_config": NGRAM_SPEC}),
                "hf-padded": lambda: run_hf_padded(hf_model, workload),
-               "hf-batch": lambda: run_hf_batch(hf_model, workload)}
+               "hf-batch": lambda: run_hf_batch(hf_model, workload),
+               "llama.cpp": lambda: run_llama_cpp(llama_bin, workload, model.dtype, torch.get_num_threads())}
     peak = 0.0
     for round_ in range(repeat):
         for name in (p for p in PEERS if p in peers):
@@ -315,6 +330,7 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
             if name not in results or r.seconds < results[name].seconds:
                 results[name] = r
     report["repeat"] = repeat
+    report["skipped"] = skipped
     tps = {name: r.tokens_per_second for name, r in results.items()}
     if "roofline" in peers:
         flops = workload_flops(model.config, workload)
@@ -325,8 +341,8 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
     for ours in ("minillm", "minillm-ngram"):
         if ours in tps:
             report[f"{ours}_over"] = {name: tps[ours] / v for name, v in tps.items() if not name.startswith("minillm")}
-        for peer in ("hf-padded", "hf-batch"):
-            if ours in results and peer in results:
+        for peer in ("hf-padded", "hf-batch", "llama.cpp"):
+            if ours in results and peer in results and hf_model is not None:
                 report[f"greedy_{ours}_vs_{peer}"] = compare_greedy(results[ours].tokens, results[peer].tokens,
                                                                      hf_model, workload)
     report["forward_passes"] = {name: r.num_steps for name, r in results.items() if name.startswith("minillm")}
@@ -354,6 +370,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "lessons' dtype; auto: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, else float32)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved rounds; each system keeps its fastest (default 1)")
+    parser.add_argument("--llama-cpp-bin", type=str, default=None,
+                        help="directory with llama-server and llama-quantize (default: $LLAMA_CPP_BIN, then PATH; "
+                             "without a build the llama.cpp peer is skipped)")
     parser.add_argument("--json", type=str, default=None, help="also write the report to this file")
     return parser
 
@@ -374,7 +393,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
 
     print(f"dtype: {resolve_dtype(args.dtype, 'cpu')}", file=sys.stderr, flush=True)
     report = run_benchmark(workload, peers, engine_args=engine_args, repeat=args.repeat, dtype=args.dtype,
-                           log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                           llama_cpp_bin=args.llama_cpp_bin, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -399,13 +418,15 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"{ours} reaches {tps[ours] / tps['roofline']:.2f} of the roofline "
                          f"({report['workload_gflop']:.0f} GFLOP at {report['matmul_gflops']:.1f} GFLOP/s in "
                          f"{report['dtype']})")
+    for name, why in report.get("skipped", {}).items():
+        lines.append(f"{name}: skipped, {why}")
     if report.get("forward_passes"):
         lines.append("forward passes: " + ", ".join(f"{k} {v}" for k, v in report["forward_passes"].items()))
     if report.get("ngram_acceptance_rate") is not None:
         lines.append(f"minillm-ngram: {report['ngram_spec']}, {report['ngram_acceptance_rate']:.0%} of the drafts "
                      f"accepted")
     for ours in ("minillm", "minillm-ngram"):
-        for peer in ("hf-padded", "hf-batch"):
+        for peer in ("hf-padded", "hf-batch", "llama.cpp"):
             if f"greedy_{ours}_vs_{peer}" in report:
                 lines.append(f"greedy tokens, {ours} vs {peer}: {report[f'greedy_{ours}_vs_{peer}']}")
     return "\n".join(lines)

@@ -1,9 +1,12 @@
-"""Offline throughput of minillm vs transformers (padded ``generate`` and continuous batching) vs the roofline.
+"""Offline throughput of minillm vs transformers (padded ``generate`` and continuous batching), llama.cpp and the
+roofline, all at one dtype.
 
 Run from the repository root::
 
     python bench/throughput.py                       # the issue's workload: 32 requests, prompts 30-400 tokens
     python bench/throughput.py --peers minillm,roofline --num-requests 8
+    python bench/throughput.py --dtype auto          # bf16 where the CPU has AMX-BF16/AVX512-BF16, peers alike
+    LLAMA_CPP_BIN=.../build/bin python bench/throughput.py   # adds llama.cpp (minillm/benchmarks/llama_cpp.py)
 
 Everything lives in :mod:`minillm.benchmarks.throughput` (also ``python -m minillm bench``).
 """

@@ -1,5 +1,4 @@
-"""Offline throughput of minillm vs transformers (padded ``generate`` and continuous batching), llama.cpp and the
-roofline, all at one dtype.
+"""Offline throughput of minillm vs transformers, llama.cpp and the roofline, all at one dtype.
 
 Run from the repository root::
 

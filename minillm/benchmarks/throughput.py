@@ -296,7 +296,7 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
     if unknown:
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {PEERS}")
     say = log or (lambda *a: None)
-    from minillm.engine.arg_utils import resolve_dtype
+    from minillm.platforms.dtype import resolve_dtype
     from minillm.platforms.cpu import cpu_capability, native_bf16
 
     choice = resolve_dtype(dtype if model is None else model.dtype, "cpu")
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     engine_args = {"block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_num_seqs": args.max_num_seqs}
     peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
-    from minillm.engine.arg_utils import resolve_dtype
+    from minillm.platforms.dtype import resolve_dtype
 
     print(f"dtype: {resolve_dtype(args.dtype, 'cpu')}", file=sys.stderr, flush=True)
     report = run_benchmark(workload, peers, engine_args=engine_args, repeat=args.repeat, dtype=args.dtype,

@@ -24,14 +24,11 @@ import torch
 
 from minillm.attention.paged import BACKENDS
 from minillm.config import SCHEDULING_POLICIES, KVTransferConfig, LlamaConfig, SchedulerConfig
-from minillm.platforms.cpu import DtypeChoice, preferred_cpu_dtype
+from minillm.platforms.cpu import DtypeChoice
+from minillm.platforms.dtype import parse_dtype, resolve_dtype  # noqa: F401 (re-exported)
 
 # Used when neither num_gpu_blocks, kv_cache_memory_bytes nor kv_cache_memory_fraction is given.
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 ** 2
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -39,37 +36,6 @@ def _is_int(x: object) -> bool:
 def default_device() -> str:
     """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> DtypeChoice:
-    """The dtype of weights, activations and KV cache, and why.
-
-    - ``None`` (the default): fp32 on a CPU, the dtype every lesson and test compares against transformers in;
-      fp16 on a GPU.
-    - ``"auto"``: the dtype the machine is built for (vLLM's ``"auto"``): on a CPU bf16 where it has AMX-BF16 or
-      AVX512-BF16, else fp32 (:func:`minillm.platforms.cpu.preferred_cpu_dtype`); fp16 on a GPU.
-    - a name (``"float32"``, ``"bf16"``, ...) or a floating-point ``torch.dtype``: that dtype.
-
-    Raises:
-        ValueError: any other value, naming the allowed ones.
-    """
-    on_cpu = device == "cpu"
-    if dtype is None:
-        return DtypeChoice(torch.float32, "the default on a CPU: exact against the fp32 oracle") if on_cpu else \
-            DtypeChoice(torch.float16, "the default on a GPU")
-    if isinstance(dtype, str) and dtype.lower() == "auto":
-        return preferred_cpu_dtype() if on_cpu else DtypeChoice(torch.float16, "auto on a GPU")
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return DtypeChoice(dtype, "asked for")
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return DtypeChoice(_DTYPES[dtype.lower()], "asked for")
-    raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)} (or None, the default: fp32 on a CPU), "
-                     f"got {dtype!r}")
-
-
-def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    """:func:`resolve_dtype` without the reason."""
-    return resolve_dtype(dtype, device).dtype
 
 
 def available_memory_bytes(device: str) -> int:

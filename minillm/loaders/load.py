@@ -31,7 +31,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype | str = torch
     from minillm.tokenizer import load_tokenizer
 
     if not isinstance(dtype, torch.dtype):
-        from minillm.engine.arg_utils import parse_dtype
+        from minillm.platforms.dtype import parse_dtype
 
         dtype = parse_dtype(dtype, torch.device(device).type)
     path = default_model_path() if model is None else Path(model)

@@ -6,9 +6,12 @@ Conventions in a solution notebook (nbgrader's markers):
   ``### BEGIN SOLUTION`` / ``### END SOLUTION`` lines; the builder replaces each region with
   ``raise NotImplementedError("Exercise N.M: what to do")`` at the same indentation;
 - the cell after it starts with ``# Check Exercise N.M`` and calls :func:`check_cases` (or asserts directly), so it
-  fails with a message until the exercise is solved.
+  fails with a message until the exercise is solved. It runs the learner's code through :func:`guard` (or
+  ``check_cases(..., exercise="N.M")``), so an answer that calls the package's own implementation of the part fails
+  (:mod:`minillm.exercises.tripwire`).
 """
 from minillm.exercises.build import build_all, build_notebook
 from minillm.exercises.check import check_cases
+from minillm.exercises.tripwire import DelegationError, building, guard
 
-__all__ = ["build_all", "build_notebook", "check_cases"]
+__all__ = ["DelegationError", "build_all", "build_notebook", "building", "check_cases", "guard"]

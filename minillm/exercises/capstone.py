@@ -27,6 +27,7 @@ import torch
 from minillm.engine.parts import PART_NAMES, EngineParts
 from minillm.exercises.check import _compare
 from minillm.exercises.parts import PART_SOURCES, LearnerParts
+from minillm.exercises.tripwire import DelegationError, guard
 
 _SOURCE = {s.part: s for s in PART_SOURCES}
 
@@ -73,6 +74,20 @@ def _queue(pool: Any) -> list[int]:
     return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
 
 
+def _guarded(learner: EngineParts, reference: EngineParts) -> EngineParts:
+    """``learner`` with each of its own parts under :func:`~minillm.exercises.tripwire.guard` for the part's
+    exercises: while a learner's part runs, the package's implementation of that part raises. A part that is the
+    reference's (``use_reference_for``) runs as it is. A learner's scheduler that inherits one of the methods its
+    exercises ask for fails here, before the engine is built."""
+    changes: dict[str, Any] = {}
+    for name in PART_NAMES:
+        mine, ref = getattr(learner, name), getattr(reference, name)
+        if mine is None or mine is ref:
+            continue
+        changes[name] = guard(_SOURCE[name].exercises, mine)
+    return dataclasses.replace(learner, **changes)
+
+
 class PartChecker:
     """Wraps a learner's :class:`EngineParts` so that every call also runs the reference part on the same inputs.
 
@@ -87,8 +102,8 @@ class PartChecker:
 
     def __init__(self, learner: EngineParts, reference: EngineParts | None = None, atol: float = 1e-4,
                  rtol: float = 1e-4, label: str = "your") -> None:
-        self.learner = learner
         self.reference = reference if reference is not None else EngineParts()
+        self.learner = _guarded(learner, self.reference)
         self.label = label
         self.added: list[tuple[str, list[int]]] = []  # (request id, prompt token ids), in the order they were added
         self.atol, self.rtol = atol, rtol
@@ -103,6 +118,8 @@ class PartChecker:
             return fn(*args)
         except PartMismatch:
             raise
+        except DelegationError as e:
+            raise PartMismatch(part, self.step, "it called the package's own part", str(e), label=self.label) from e
         except NotImplementedError as e:
             raise PartMismatch(part, self.step, "not solved", str(e), label=self.label) from e
         except Exception as e:  # noqa: BLE001 - the learner's code failed: name it, keep the original as cause
@@ -221,6 +238,9 @@ class PartChecker:
                     got = super().schedule()
                 except PartMismatch:
                     raise
+                except DelegationError as e:
+                    raise PartMismatch("scheduler_cls", checker.step, "it called the package's own part", str(e),
+                                       label=checker.label) from e
                 except Exception as e:  # noqa: BLE001
                     raise PartMismatch("scheduler_cls", checker.step, "raised", f"{type(e).__name__}: {e}",
                                        label=checker.label) from e
@@ -367,7 +387,9 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
     checker = PartChecker(parts, label=label)
     engine = LLMEngine(model, tokenizer, EngineArgs(**CAPSTONE_ARGS), parts=checker.parts())
     prompts, params = capstone_requests(tokenizer)
-    tokens = run_engine(engine, [list(p) for p in prompts], params)
+    # The package's own answer (the notebook's demonstration of a wrong part) runs as it is; a learner's is guarded.
+    runner = run_engine if run_engine is run_requests else guard("8.1", run_engine)
+    tokens = runner(engine, [list(p) for p in prompts], params)
     if engine.has_unfinished_requests():
         raise AssertionError(f"run_engine returned while {engine.get_num_unfinished_requests()} request(s) were "
                              f"unfinished (Exercise 8.1): step until engine.has_unfinished_requests() is False")

@@ -49,9 +49,19 @@ def _compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
 
 
 def check_cases(learner: Callable[..., Any], reference: Callable[..., Any], cases: Iterable[dict[str, Any]],
-                atol: float = 1e-5, rtol: float = 1e-5, name: str = "your function") -> int:
+                atol: float = 1e-5, rtol: float = 1e-5, name: str = "your function",
+                exercise: str | None = None) -> int:
     """Call ``learner(**case)`` and ``reference(**case)`` for every case; raise ``AssertionError`` at the first
-    difference, naming the case. Returns the number of cases checked (and prints it)."""
+    difference, naming the case. Returns the number of cases checked (and prints it).
+
+    With ``exercise`` ("2.1"), the learner runs under :func:`~minillm.exercises.tripwire.guard`: an answer that calls
+    the package's own implementation of that exercise's part fails with
+    :class:`~minillm.exercises.tripwire.DelegationError`. The reference always runs unguarded.
+    """
+    if exercise is not None:
+        from minillm.exercises.tripwire import guard
+
+        learner = guard(exercise, learner)
     n = 0
     for case in cases:
         want = reference(**case)

@@ -137,14 +137,29 @@ def _imports_of(cells: list[str]) -> str:
     return "\n".join(out)
 
 
+_CHECK = re.compile(r"^#\s*Check\s+Exercise\s+(\d+\.\d+)\b")
+
+
 def _exercise_cells(cells: list[str]) -> dict[str, str]:
-    """Exercise number -> source of its code cell (the cell that starts with ``# Exercise N.M:``)."""
+    """Exercise number -> its answer: the code cell that starts with ``# Exercise N.M:`` and every code cell after
+    it up to its ``# Check Exercise N.M`` cell (where a learner may put helpers), joined in order.
+
+    This is the cell contract each exercise cell states in its second line: keep the first line (it is how the
+    answer is found), and put helpers in the exercise's cell or in new cells between it and its check.
+    """
     found: dict[str, str] = {}
+    current: str | None = None
     for src in cells:
         first = src.lstrip().splitlines()[0] if src.strip() else ""
-        m = _TITLE.match(first)
-        if m:
-            found.setdefault(m.group(1), src)
+        title, check = _TITLE.match(first), _CHECK.match(first)
+        if title:
+            current = title.group(1) if title.group(1) not in found else None
+            if current is not None:
+                found[current] = src
+        elif check or current is None:
+            current = None
+        else:
+            found[current] += "\n\n" + src
     return found
 
 

@@ -9,6 +9,7 @@ Tests of typical mistakes use it to prove that a check fails on them, and says w
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import linecache
 import os
@@ -72,3 +73,40 @@ def run_check(solution: str | Path, exercise: str, **replace: Any) -> BaseExcept
         raise LookupError(f"{path.name} has no '# Check Exercise {exercise}' cell")
     finally:
         os.chdir(cwd)
+
+
+_counter = itertools.count()
+
+
+def caught(solution: str, exercise: str, **wrong) -> str:
+    """The message of the AssertionError the check of ``exercise`` raises on ``wrong``; fails if it raises nothing
+    or something else."""
+    e = run_check(solution, exercise, **wrong)
+    assert isinstance(e, AssertionError), f"check {exercise} did not fail with an AssertionError on {wrong}: {e!r}"
+    return str(e)
+
+
+def exercise_source(solution: str, exercise: str) -> str:
+    nb = nbformat.read(ROOT / "solutions" / solution, as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(f"# Exercise {exercise}:"))
+
+
+def mutated(solution: str, exercise: str, name: str, *edits: tuple[str, str], header: str = "",
+            tmp_path: Path | None = None):
+    """``name`` from the solution's exercise cell with each ``(old, new)`` edit applied (each must apply once).
+
+    With ``tmp_path`` the code is written to a file and imported (Triton kernels need a source file)."""
+    source = exercise_source(solution, exercise)
+    for old, new in edits:
+        assert source.count(old) == 1, f"edit {old!r} does not apply once to exercise {exercise}"
+        source = source.replace(old, new)
+    if tmp_path is None:
+        ns: dict = {}
+        exec(compile(header + source, f"<wrong {exercise}>", "exec"), ns)  # noqa: S102
+        return ns[name]
+    path = tmp_path / f"wrong_{exercise.replace('.', '_')}_{next(_counter)}.py"
+    path.write_text(header + source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)

@@ -7,19 +7,19 @@ from pathlib import Path
 import nbformat
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-_TITLE = re.compile(r"^#\s*(Exercise\s+\d+\.\d+\s*:.*)$")
+_TITLE = re.compile(r"^#\s*((?:Exercise\s+\d+\.\d+|Challenge\s+\d+)\s*:.*)$")
 
 
 def strip_solutions(source: str) -> str:
     """Replace every ``### BEGIN SOLUTION ... ### END SOLUTION`` region of a cell with a ``NotImplementedError``.
 
-    The message is the cell's ``# Exercise N.M: ...`` title line. Raises ``ValueError`` on unbalanced markers or a
+    The message is the cell's ``# Exercise N.M: ...`` (or ``# Challenge N: ...``) title line. Raises ``ValueError`` on unbalanced markers or a
     missing title, so a malformed solution notebook cannot silently produce a broken exercise.
     """
     lines = source.splitlines()
     title = next((m.group(1).strip() for m in map(_TITLE.match, lines) if m), None)
     if title is None:
-        raise ValueError(f"a cell with {BEGIN!r} must start with a '# Exercise N.M: ...' line:\n{source[:200]}")
+        raise ValueError(f"a cell with {BEGIN!r} must start with a '# Exercise N.M: ...' or '# Challenge N: ...' line:\n{source[:200]}")
     out: list[str] = []
     inside = False
     for line in lines:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -89,7 +90,7 @@ class DelegationError(AssertionError):
     An ``AssertionError``, so checks that let a learner's ``AssertionError`` through unchanged show it as it is.
 
     Attributes:
-        exercise: ``"2.1"``; ``target``: what was called, ``"minillm.attention.paged:compute_slot_mapping"``.
+        exercise: ``"2.1"`` (or a challenge, ``"C2"``); ``target``: what was called, ``"minillm.attention.paged:compute_slot_mapping"``.
     """
 
     def __init__(self, exercise: str, target: str) -> None:
@@ -97,7 +98,8 @@ class DelegationError(AssertionError):
         module, qualname = target.split(":")
         how = (" (a super() call, or a method your class inherits instead of defining it, counts too)"
                if "." in qualname else "")
-        super().__init__(f"Exercise {exercise} asks you to write this yourself: your code called minillm's "
+        what = f"Challenge {exercise[1:]}" if exercise.startswith("C") else f"Exercise {exercise}"
+        super().__init__(f"{what} asks you to write this yourself: your code called minillm's "
                          f"`{qualname}` (in {module}){how}. Build the part from what the exercise gives you.")
 
 
@@ -112,13 +114,35 @@ def _resolve(target: str) -> tuple[Any, str, Any]:
     return owner, name, obj
 
 
+def _challenge_targets(number: str) -> tuple[str, ...] | None:
+    """A chapter's open challenge ``"C2"`` keeps its reference in ``minillm.exercises.challenges.ch02``, whose
+    ``TARGETS`` lists what a delegating answer could call; ``None`` if there is no such module."""
+    m = re.fullmatch(r"C(\d+)", number)
+    if not m:
+        return None
+    try:
+        module = importlib.import_module(f"minillm.exercises.challenges.ch{int(m.group(1)):02d}")
+    except ModuleNotFoundError:
+        return None
+    return tuple(module.TARGETS)
+
+
 def targets_of(exercises: str | Iterable[str]) -> list[str]:
-    """The :data:`BUILDS` targets of one exercise (``"2.1"``) or several. ``ValueError`` for an unknown number."""
+    """The targets of one exercise (``"2.1"``: :data:`BUILDS`; ``"C2"``: chapter 2's challenge) or several.
+    ``ValueError`` for an unknown number."""
     numbers = [exercises] if isinstance(exercises, str) else list(exercises)
-    unknown = [n for n in numbers if n not in BUILDS]
-    if unknown:
-        raise ValueError(f"no exercise {unknown[0]!r} in the tripwire's list; the exercises are {sorted(BUILDS)}")
-    return [t for n in numbers for t in BUILDS[n]]
+    found: list[str] = []
+    for n in numbers:
+        targets = BUILDS.get(n) or _challenge_targets(n)
+        if targets is None:
+            raise ValueError(f"no exercise {n!r} in the tripwire's list; the exercises are {sorted(BUILDS)} and the "
+                             f"challenges C<chapter> of minillm/exercises/challenges/")
+        found.extend(targets)
+    return found
+
+
+def _exercise_of(target: str, numbers: list[str]) -> str:
+    return next(n for n in numbers if target in targets_of(n))
 
 
 class _Tripwire:
@@ -178,7 +202,7 @@ def building(exercises: str | Iterable[str], *learner: Any) -> Iterator[None]:
             The namespace of the code that opens the block is always covered.
     """
     numbers = [exercises] if isinstance(exercises, str) else list(exercises)
-    owner_of = {t: n for n in numbers for t in targets_of(n)}
+    owner_of = {t: n for n in numbers for t in targets_of(n)}  # target -> the exercise that asks for it
     caller = sys._getframe(2).f_globals  # noqa: SLF001 - the check cell's namespace (frame 1 is contextmanager's)
     namespaces = _learner_namespaces([*learner, caller])
     undo: list[tuple[Any, str, Any]] = []  # (dict or class, name, the value it held)
@@ -241,7 +265,7 @@ def guard(exercises: str | Iterable[str], learner: Any) -> Any:
     @functools.wraps(learner)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if same is not None:
-            raise DelegationError(next(n for n in numbers if same in BUILDS[n]), same)
+            raise DelegationError(_exercise_of(same, numbers), same)
         with building(numbers, learner):
             return learner(*args, **kwargs)
 
@@ -256,8 +280,7 @@ def _guard_class(numbers: list[str], cls: type) -> type:
         if isinstance(owner, type) and issubclass(cls, owner):
             definer = next((c for c in cls.__mro__ if name in vars(c)), None)
             if definer is None or definer.__module__.startswith(_PACKAGES):
-                number = next(n for n in numbers if target in BUILDS[n])
-                raise DelegationError(number, target)
+                raise DelegationError(_exercise_of(target, numbers), target)
     methods: dict[str, Callable[..., Any]] = {}
     for c in learner_classes:
         for key, value in vars(c).items():

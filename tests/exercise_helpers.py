@@ -40,6 +40,17 @@ def _compile_cell(source: str, label: str):
 def run_check(solution: str | Path, exercise: str, **replace: Any) -> BaseException | None:
     """Execute ``solution`` (a path, or a name under ``solutions/``) up to the check of ``exercise`` ("N.M"), with
     ``replace`` swapped in after the exercise's own cell. Returns what the check cell raised, or ``None``."""
+    return _run_check(solution, exercise, None, replace)
+
+
+def run_check_with_answer(solution: str | Path, exercise: str, answer: str) -> BaseException | None:
+    """:func:`run_check` with the exercise's cell replaced by ``answer`` (a cell's source), as a learner hands it
+    in. Returns what the check cell raised, or ``None``."""
+    return _run_check(solution, exercise, answer, {})
+
+
+def _run_check(solution: str | Path, exercise: str, answer: str | None,
+               replace: dict[str, Any]) -> BaseException | None:
     path = Path(solution)
     if not path.is_absolute() and not path.exists():
         path = ROOT / "solutions" / path
@@ -54,7 +65,7 @@ def run_check(solution: str | Path, exercise: str, **replace: Any) -> BaseExcept
             if cell.cell_type != "code":
                 continue
             first = cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
-            is_check = first.startswith(f"# Check Exercise {exercise}")
+            is_check = first.startswith((f"# Check Exercise {exercise}", f"# Check Challenge {exercise}"))
             if is_check:
                 if not seen_exercise:
                     raise LookupError(f"{path.name}: the check of exercise {exercise} comes before its exercise cell")
@@ -63,8 +74,10 @@ def run_check(solution: str | Path, exercise: str, **replace: Any) -> BaseExcept
                 except BaseException as e:  # noqa: BLE001 - the caller asserts on it
                     return e
                 return None
-            exec(_compile_cell(_plain_python(cell.source), f"{path.name}:cell"), ns)  # noqa: S102
-            if first.startswith(f"# Exercise {exercise}:"):
+            is_exercise = first.startswith(f"# Exercise {exercise}:") or first.startswith(f"# Challenge {exercise}:")
+            source = answer if is_exercise and answer is not None else cell.source
+            exec(_compile_cell(_plain_python(source), f"{path.name}:cell"), ns)  # noqa: S102
+            if is_exercise:
                 seen_exercise = True
                 missing = [k for k in replace if k not in ns]
                 if missing:

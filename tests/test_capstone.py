@@ -3,6 +3,8 @@ through EngineParts, and every disagreement with the reference is caught and nam
 from __future__ import annotations
 
 import dataclasses
+import re
+import functools
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,8 @@ import torch
 from minillm.core.sched.scheduler import Scheduler
 from minillm.engine.parts import PART_NAMES, EngineParts
 from minillm.exercises.capstone import PartMismatch, check_capstone, run_requests
-from minillm.exercises.parts import load_learner_parts
-from minillm.worker.model_runner import prepare_inputs
+from minillm.exercises.parts import PART_SOURCES, load_learner_parts
+from tests.delegating_answers import NOTEBOOK, answer_cell
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,26 +22,40 @@ ROOT = Path(__file__).resolve().parent.parent
 run_engine = run_requests  # exercise 8.1's answer, from the package
 
 
-class WaitingFirstScheduler(Scheduler):
+@functools.cache
+def solved_parts() -> EngineParts:
+    """The parts of solutions/ (the reference answers), loaded as a learner's: wrong parts below are built on them,
+    not on the package's own, which the capstone's tripwire would stop."""
+    return load_learner_parts(ROOT / "solutions").engine_parts()
+
+
+def waiting_first_scheduler() -> type:
     """A typical wrong scheduler: it admits waiting requests before it serves the running ones."""
 
-    def schedule(self):
-        self._schedule_running, self._schedule_waiting = self._schedule_waiting, self._schedule_running
-        try:
-            return super().schedule()
-        finally:
-            del self._schedule_running, self._schedule_waiting
+    class WaitingFirstScheduler(solved_parts().scheduler_cls):
+        def schedule(self):
+            self._schedule_running, self._schedule_waiting = self._schedule_waiting, self._schedule_running
+            try:
+                return super().schedule()
+            finally:
+                del self._schedule_running, self._schedule_waiting
+
+    return WaitingFirstScheduler
 
 
 def free_head_first(pool, req_blocks):
     """A typical wrong free: first block first, so a request's prefix is evicted before its tail."""
-    pool.free_blocks(list(req_blocks))
+    for block in req_blocks:
+        block.decr_ref()
+    freed = [b for b in req_blocks if b.ref_cnt == 0]
+    pool.free_block_queue.prepend_n([b for b in freed if b.block_hash is None])
+    pool.free_block_queue.append_n([b for b in freed if b.block_hash is not None])
 
 
 def positions_from_zero(so, requests, block_size, device="cpu"):
     """A typical wrong _prepare_inputs: positions restart at 0 for every request (they must start at
     num_computed_tokens)."""
-    out = prepare_inputs(so, requests, block_size, device)
+    out = solved_parts().prepare_inputs(so, requests, block_size, device)
     qsl = out.query_start_loc.tolist()
     out.positions = torch.cat([torch.arange(b - a) for a, b in zip(qsl, qsl[1:])])
     return out
@@ -76,11 +92,12 @@ def test_capstone_passes_with_the_solutions(model, tokenizer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("part, wrong, field", [
-    ("scheduler_cls", WaitingFirstScheduler, "num_scheduled_tokens"),
+    ("scheduler_cls", "waiting_first", "num_scheduled_tokens"),
     ("free", free_head_first, "the free queue"),
     ("prepare_inputs", positions_from_zero, "positions"),
 ])
 def test_one_wrong_part_is_caught_and_named(model, tokenizer, part, wrong, field):
+    wrong = waiting_first_scheduler() if wrong == "waiting_first" else wrong
     parts = dataclasses.replace(EngineParts(), **{part: wrong})
     with pytest.raises(PartMismatch) as info:
         check_capstone(parts, model, tokenizer, run_engine)
@@ -115,3 +132,53 @@ def test_missing_parts_are_listed_together_with_the_line_to_use():
     assert "Also missing:" in msg and "part 'prepare_inputs'" in msg and "part 'free'" not in msg
     names = [n for n in PART_NAMES if n not in ("attention", "free")]
     assert "USE_REFERENCE_FOR = {" + ", ".join(repr(n) for n in names) + "}" in msg
+
+
+# -- answers that call the package's own part --------------------------------------------------------------------------
+def _learner_folder(tmp_path: Path, exercise: str) -> Path:
+    """solutions/ copied to tmp_path with the answer of ``exercise`` replaced by one that delegates to the package
+    (tests/delegating_answers.py), as a learner would hand it in."""
+    import shutil
+
+    import nbformat
+
+    for nb_path in (ROOT / "solutions").glob("*.ipynb"):
+        shutil.copy(nb_path, tmp_path / nb_path.name)
+    path = tmp_path / NOTEBOOK[exercise.split(".")[0]]
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith(f"# Exercise {exercise}:"))
+    cell.source = answer_cell(exercise)
+    nbformat.write(nb, path)
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exercise", sorted({n for s in PART_SOURCES for n in s.exercises} - {"1.1", "1.3"}))
+def test_a_part_that_calls_the_package_fails_the_capstone(model, tokenizer, tmp_path, exercise):
+    """Every exercise the capstone runs as a part: an answer that delegates to the package fails, naming the
+    exercise (1.1 and 1.3 are parts of 1.2's attention through the learner's own functions: their delegation is
+    caught by their own checks)."""
+    learner = load_learner_parts(_learner_folder(tmp_path, exercise))
+    with pytest.raises(AssertionError, match=rf"Exercise {re.escape(exercise)} asks you to write this yourself"):
+        check_capstone(learner, model, tokenizer, run_engine)
+
+
+@pytest.mark.slow
+def test_a_run_engine_that_calls_the_package_fails_the_capstone(model, tokenizer):
+    ns: dict = {}
+    exec(answer_cell("8.1"), ns)  # noqa: S102
+    with pytest.raises(AssertionError, match=r"Exercise 8\.1 asks you to write this yourself"):
+        check_capstone(solved_parts(), model, tokenizer, ns["run_engine"])
+
+
+def test_a_scheduler_that_inherits_a_method_it_must_write_fails_before_the_engine_starts():
+    """A learner scheduler whose exercise-4.2 class defines nothing inherits the package's admission."""
+    class AdmissionScheduler(Scheduler):
+        pass
+
+    bases = tuple(AdmissionScheduler if b.__name__ == "AdmissionScheduler" else b
+                  for b in solved_parts().scheduler_cls.__bases__)
+    assert AdmissionScheduler in bases
+    parts = dataclasses.replace(solved_parts(), scheduler_cls=type("LearnerScheduler", bases, {}))
+    with pytest.raises(AssertionError, match=r"Exercise 4\.2 asks you to write this yourself"):
+        check_capstone(parts, None, None, run_engine)

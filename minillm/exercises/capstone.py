@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -74,15 +74,16 @@ def _queue(pool: Any) -> list[int]:
     return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
 
 
-def _guarded(learner: EngineParts, reference: EngineParts) -> EngineParts:
+def _guarded(learner: EngineParts, reference: EngineParts, package_parts: Iterable[str] | None) -> EngineParts:
     """``learner`` with each of its own parts under :func:`~minillm.exercises.tripwire.guard` for the part's
-    exercises: while a learner's part runs, the package's implementation of that part raises. A part that is the
-    reference's (``use_reference_for``) runs as it is. A learner's scheduler that inherits one of the methods its
+    exercises: while a learner's part runs, the package's implementation of that part raises. A part named in
+    ``package_parts`` (the capstone's ``use_reference_for``) runs as it is; with ``package_parts=None``, so does
+    every part that is the reference's own object (an :class:`EngineParts` given directly). A learner's scheduler that inherits one of the methods its
     exercises ask for fails here, before the engine is built."""
     changes: dict[str, Any] = {}
     for name in PART_NAMES:
         mine, ref = getattr(learner, name), getattr(reference, name)
-        if mine is None or mine is ref:
+        if mine is None or (name in package_parts if package_parts is not None else mine is ref):
             continue
         changes[name] = guard(_SOURCE[name].exercises, mine)
     return dataclasses.replace(learner, **changes)
@@ -101,9 +102,10 @@ class PartChecker:
     """
 
     def __init__(self, learner: EngineParts, reference: EngineParts | None = None, atol: float = 1e-4,
-                 rtol: float = 1e-4, label: str = "your") -> None:
+                 rtol: float = 1e-4, label: str = "your", guarded: bool = True,
+                 package_parts: Iterable[str] | None = None) -> None:
         self.reference = reference if reference is not None else EngineParts()
-        self.learner = _guarded(learner, self.reference)
+        self.learner = _guarded(learner, self.reference, package_parts) if guarded else learner
         self.label = label
         self.added: list[tuple[str, list[int]]] = []  # (request id, prompt token ids), in the order they were added
         self.atol, self.rtol = atol, rtol
@@ -367,7 +369,8 @@ class CapstoneResult:
 
 def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: Any,
                    run_engine: Callable[[Any, list[list[int]], list[Any]], list[list[int]]],
-                   use_reference_for: Sequence[str] = (), label: str = "your") -> CapstoneResult:
+                   use_reference_for: Sequence[str] = (), label: str = "your",
+                   guarded: bool = True) -> CapstoneResult:
     """Run the learner's parts as the engine on the capstone workload; raise ``AssertionError`` naming the first
     missing part, the first part that disagrees with the reference (step, part, field), or the first token that
     differs from transformers.
@@ -378,17 +381,21 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
         run_engine: exercise 8.1, ``run_engine(engine, prompts, params) -> output token ids per prompt``.
         use_reference_for: parts to take from the package instead of the learner's notebooks.
         label: how reports name the parts under test ("your scheduler_cls ...").
+        guarded: run each learner part under :func:`~minillm.exercises.tripwire.guard` (the default), so a part that
+            calls the package's own implementation of itself fails. ``False`` only for a demonstration built on the
+            package's code (chapter 8's wrong scheduler, which inherits the package's running loop).
     """
     from minillm.engine.arg_utils import EngineArgs
     from minillm.engine.llm_engine import LLMEngine
 
     parts = learner.engine_parts(use_reference_for) if isinstance(learner, LearnerParts) else learner
     package_parts = frozenset(set(PART_NAMES) - set(parts.replaced()))
-    checker = PartChecker(parts, label=label)
+    checker = PartChecker(parts, label=label, guarded=guarded,
+                          package_parts=set(use_reference_for) if isinstance(learner, LearnerParts) else None)
     engine = LLMEngine(model, tokenizer, EngineArgs(**CAPSTONE_ARGS), parts=checker.parts())
     prompts, params = capstone_requests(tokenizer)
     # The package's own answer (the notebook's demonstration of a wrong part) runs as it is; a learner's is guarded.
-    runner = run_engine if run_engine is run_requests else guard("8.1", run_engine)
+    runner = guard("8.1", run_engine) if guarded and run_engine is not run_requests else run_engine
     tokens = runner(engine, [list(p) for p in prompts], params)
     if engine.has_unfinished_requests():
         raise AssertionError(f"run_engine returned while {engine.get_num_unfinished_requests()} request(s) were "

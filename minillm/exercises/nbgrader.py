@@ -16,6 +16,10 @@ The solution notebooks stay the single source; this module writes, for each of t
   (:class:`ExerciseSaveAutoGrades`: an error is 0 points, anything else all of them), where nbgrader's own rule
   would read a number the cell displays as partial credit and output on stderr as a failure.
 
+A chapter's open challenge (``### Challenge N ★★★``, ``# Challenge N: ...``, ``# Check Challenge N``) becomes the
+same two cells (``challenge-N-answer``, ``challenge-N-check``); its check is worth 0 points and, when it passes,
+gives :data:`CHALLENGE_EXTRA_CREDIT` as nbgrader's extra credit (added to the score, not to the maximum).
+
 Points come from the difficulty stars of each exercise's heading (``### Exercise N.M ★★ title``: ★ = 1 point,
 ★★ = 2, ★★★ = 3). Each solution notebook's first markdown cell states its total, ``Points: N (★ = 1, ★★ = 2, ★★★ =
 3)``; :func:`notebook_exercises` raises ``ValueError`` naming the notebook when the stars do not add up to it.
@@ -49,8 +53,19 @@ COURSE_ID = "minillm"
 STAR_POINTS = {"★": 1, "★★": 2, "★★★": 3}
 POINTS_LINE = "Points: {total} (★ = 1, ★★ = 2, ★★★ = 3)"
 _POINTS = re.compile(r"^Points:\s*(\d+)\s*\(★ = 1, ★★ = 2, ★★★ = 3\)", re.M)
-_HEADING = re.compile(r"^###\s+Exercise\s+(\d+\.\d+)\s+(★+)(?=\s|$)", re.M)
-_CHECK = re.compile(r"^#\s*Check\s+Exercise\s+(\d+\.\d+)\b")
+_HEADING = re.compile(r"^###\s+(Exercise\s+\d+\.\d+|Challenge\s+\d+)\s+(★+)(?=\s|$)", re.M)
+_CHECK = re.compile(r"^#\s*Check\s+(Exercise\s+\d+\.\d+|Challenge\s+\d+)\b")
+# A chapter's open challenge (``### Challenge N ★★★``) is optional: its check is worth no points, and passing it
+# gives this much extra credit (nbgrader's ``Grade.extra_credit``, added to the score, not to the maximum).
+CHALLENGE_EXTRA_CREDIT = 3
+
+
+def _number(title: str) -> str:
+    """``"2.2"`` for ``"Exercise 2.2: ..."`` or ``"Exercise 2.2"``; ``"C2"`` for ``"Challenge 2..."``."""
+    m = re.match(r"(Exercise|Challenge)\s+(\d+(?:\.\d+)?)", title.strip())
+    if m is None:
+        raise ValueError(f"not an exercise or challenge title: {title!r}")
+    return m.group(2) if m.group(1) == "Exercise" else f"C{m.group(2)}"
 SCHEMA_VERSION = 3  # nbgrader's cell metadata schema (nbgrader 0.9)
 
 # The sample students of :func:`run_demo` and the tests.
@@ -67,9 +82,9 @@ class Exercise:
     """One exercise of a solution notebook, as nbgrader grades it.
 
     Attributes:
-        number: ``"2.2"``.
+        number: ``"2.2"``; ``"C2"`` for chapter 2's open challenge (``### Challenge 2 ★★★``, extra credit).
         title: the exercise cell's title line without ``#``: ``"Exercise 2.2: allocate the blocks ..."``.
-        stars: 1 to 3, from the heading ``### Exercise 2.2 ★★ ...``.
+        stars: 1 to 3, from the heading ``### Exercise 2.2 ★★ ...`` (a challenge's are always ★★★).
         answer_cell: index of the exercise (answer) cell in the notebook's cells.
         check_cell: index of its ``# Check Exercise N.M`` cell.
     """
@@ -81,19 +96,31 @@ class Exercise:
     check_cell: int
 
     @property
+    def challenge(self) -> bool:
+        return self.number.startswith("C")
+
+    @property
     def points(self) -> int:
-        """★ = 1, ★★ = 2, ★★★ = 3."""
-        return self.stars
+        """★ = 1, ★★ = 2, ★★★ = 3; a challenge's check is worth 0 (it gives :attr:`extra_credit` instead)."""
+        return 0 if self.challenge else self.stars
+
+    @property
+    def extra_credit(self) -> int:
+        return CHALLENGE_EXTRA_CREDIT if self.challenge else 0
+
+    @property
+    def _id(self) -> str:
+        return f"challenge-{self.number[1:]}" if self.challenge else f"ex-{self.number.replace('.', '-')}"
 
     @property
     def answer_id(self) -> str:
-        """nbgrader ``grade_id`` of the answer cell, e.g. ``ex-2-2-answer``."""
-        return f"ex-{self.number.replace('.', '-')}-answer"
+        """nbgrader ``grade_id`` of the answer cell, e.g. ``ex-2-2-answer`` (``challenge-2-answer``)."""
+        return f"{self._id}-answer"
 
     @property
     def check_id(self) -> str:
-        """nbgrader ``grade_id`` of the check cell, e.g. ``ex-2-2-check``."""
-        return f"ex-{self.number.replace('.', '-')}-check"
+        """nbgrader ``grade_id`` of the check cell, e.g. ``ex-2-2-check`` (``challenge-2-check``)."""
+        return f"{self._id}-check"
 
 
 def stated_points(nb: nbformat.NotebookNode, name: str) -> int:
@@ -127,9 +154,12 @@ def notebook_exercises(nb: nbformat.NotebookNode, name: str) -> list[Exercise]:
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown":
             for m in _HEADING.finditer(cell.source):
+                what, number = " ".join(m.group(1).split()), _number(m.group(1))
                 if m.group(2) not in STAR_POINTS:
-                    raise ValueError(f"{name}: Exercise {m.group(1)} has {len(m.group(2))} stars; use 1 to 3")
-                stars[m.group(1)] = STAR_POINTS[m.group(2)]
+                    raise ValueError(f"{name}: {what} has {len(m.group(2))} stars; use 1 to 3")
+                if number.startswith("C") and m.group(2) != "★★★":
+                    raise ValueError(f"{name}: {what} is an open challenge: give it ★★★ (it is extra credit)")
+                stars[number] = STAR_POINTS[m.group(2)]
             continue
         if cell.cell_type != "code" or BEGIN not in cell.source:
             continue
@@ -138,20 +168,21 @@ def notebook_exercises(nb: nbformat.NotebookNode, name: str) -> list[Exercise]:
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         title = next(m.group(1).strip() for m in map(_TITLE.match, cell.source.splitlines()) if m)
-        number = re.match(r"Exercise\s+(\d+\.\d+)", title).group(1)
+        number = _number(title)
+        what = f"Challenge {number[1:]}" if number.startswith("C") else f"Exercise {number}"
         if any(e.number == number for e in found):
-            raise ValueError(f"{name}: two cells are Exercise {number}")
+            raise ValueError(f"{name}: two cells are {what}")
         if number not in stars:
-            raise ValueError(f"{name}: Exercise {number} needs a markdown heading '### Exercise {number} ★ title' "
+            raise ValueError(f"{name}: {what} needs a markdown heading '### {what} ★ title' "
                              "(★ to ★★★: its points) before its cell")
         check = next((j for j in range(i + 1, len(nb.cells)) if nb.cells[j].cell_type == "code"), None)
         m = _CHECK.match(nb.cells[check].source.lstrip()) if check is not None else None
-        if m is None or m.group(1) != number:
-            raise ValueError(f"{name}: Exercise {number} must be followed by a '# Check Exercise {number}' cell")
+        if m is None or _number(m.group(1)) != number:
+            raise ValueError(f"{name}: {what} must be followed by a '# Check {what}' cell")
         found.append(Exercise(number, title, stars[number], i, check))
     total = stated_points(nb, name)
     if sum(e.points for e in found) != total:
-        detail = " + ".join(f"{e.points} ({e.number})" for e in found) or "no exercise"
+        detail = " + ".join(f"{e.points} ({e.number})" for e in found if not e.challenge) or "no exercise"
         raise ValueError(f"{name}: its first cell states 'Points: {total}' but its exercises' stars give "
                          f"{detail} = {sum(e.points for e in found)}")
     return found
@@ -253,7 +284,8 @@ def build_course(course_dir: str | Path, solutions: str | Path = "solutions",
         dest.write_text(nbformat.writes(nb) + "\n")
         written.append(dest)
         exercises = notebook_exercises(nb, stem)
-        points = ", ".join(f"{e.number}: {e.points}" for e in exercises)
+        points = ", ".join(f"{e.number}: {e.points}" if not e.challenge else
+                           f"challenge {e.number[1:]}: +{e.extra_credit} extra credit" for e in exercises)
         total = sum(e.points for e in exercises)
         lines.append(f"#   {stem:<28} {total:>2} point{'' if total == 1 else 's'} ({points})")
     config = course_dir / "nbgrader_config.py"
@@ -319,6 +351,8 @@ def _nbgrader_classes() -> dict[str, type]:
                                               self.assignment_id, self.student_id)
             failed = any(out.output_type == "error" for out in cell.outputs)
             grade.auto_score = 0.0 if failed else float(cell.metadata["nbgrader"]["points"])
+            if cell.metadata["nbgrader"]["grade_id"].startswith("challenge-"):  # an open challenge: extra credit
+                grade.extra_credit = 0.0 if failed else float(CHALLENGE_EXTRA_CREDIT)
             grade.needs_manual_grade = grade.manual_score is not None  # a grader's own score stands out for review
             self.gradebook.db.commit()
 
@@ -407,8 +441,13 @@ def solved_source(answer_source: str) -> str:
 
 
 def half_count(exercises: list[Exercise]) -> int:
-    """How many exercises the half-solved sample student solves: the first half, by count (rounded down)."""
-    return len(exercises) // 2
+    """How many exercises the half-solved sample student solves: the first half, by count (rounded down), of the
+    exercises that are not open challenges."""
+    return len([e for e in exercises if not e.challenge]) // 2
+
+
+def _first_half(exercises: list[Exercise]) -> list[Exercise]:
+    return [e for e in exercises if not e.challenge][:half_count(exercises)]
 
 
 def learner_notebook(solution: nbformat.NotebookNode, solved: set[str]) -> nbformat.NotebookNode:
@@ -420,7 +459,7 @@ def learner_notebook(solution: nbformat.NotebookNode, solved: set[str]) -> nbfor
             continue
         if BEGIN in cell.source:
             title = next(m.group(1) for m in map(_TITLE.match, cell.source.splitlines()) if m)
-            number = re.match(r"Exercise\s+(\d+\.\d+)", title).group(1)
+            number = _number(title)
             cell.source = solved_source(cell.source) if number in solved else strip_solutions(cell.source)
         cell.outputs, cell.execution_count = [], None
     return nb
@@ -443,7 +482,7 @@ def write_sample_submissions(course_dir: str | Path, assignment: str,
     exercises = notebook_exercises(source, assignment)
     answers = {e.answer_id: solved_source(source.cells[e.answer_cell].source) for e in exercises}
     plans = {"sample_solved": exercises, "sample_unsolved": [],
-             "sample_half": exercises[:half_count(exercises)]}
+             "sample_half": _first_half(exercises)}
     expected = {}
     for student, solved in plans.items():
         ids = {e.answer_id for e in solved}
@@ -460,9 +499,9 @@ def write_sample_submissions(course_dir: str | Path, assignment: str,
         for name in siblings_needed().get(assignment, ()):
             sibling = nbformat.read(Path(solutions) / name, as_version=4)
             its = notebook_exercises(sibling, name)
-            done = {"sample_solved": its, "sample_unsolved": [], "sample_half": its[:half_count(its)]}[student]
+            done = {"sample_solved": its, "sample_unsolved": [], "sample_half": _first_half(its)}[student]
             nbformat.write(learner_notebook(sibling, {e.number for e in done}), folder / name)
-        expected[student] = float(sum(e.points for e in solved))
+        expected[student] = float(sum(e.points + e.extra_credit for e in solved))
     return expected
 
 

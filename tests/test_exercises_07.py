@@ -12,6 +12,7 @@ from functools import partial
 import pytest
 import torch
 
+from minillm.attention.reference import merge_attn_states  # a global, as a notebook's import makes it
 from minillm.distributed.splits import make_split
 from tests.exercise_helpers import run_check
 
@@ -62,14 +63,59 @@ def ceil_split(num_tokens, world_size):
     return [torch.cat([p[r], p[n - 1 - r]]) for r in range(world_size)]
 
 
+def zigzag_split(num_tokens, world_size):
+    """The right split, written here (an answer that calls make_split would trip the check's wire)."""
+    if num_tokens < 2 * world_size:
+        raise ValueError("fewer tokens than pieces")
+    p = _pieces(num_tokens, 2 * world_size)
+    return [torch.cat([p[r], p[2 * world_size - 1 - r]]) for r in range(world_size)]
+
+
+def late_remainder_split(num_tokens, world_size):
+    """The T mod 2R longer pieces last instead of first."""
+    n = 2 * world_size
+    base, extra = divmod(num_tokens, n)
+    sizes = [base + (i >= n - extra) for i in range(n)]
+    bounds = [sum(sizes[:i]) for i in range(n + 1)]
+    p = [torch.arange(bounds[i], bounds[i + 1]) for i in range(n)]
+    return [torch.cat([p[r], p[n - 1 - r]]) for r in range(world_size)]
+
+
 def permutation_not_inverse(num_tokens, world_size):
     """Returns which position each row holds instead of which row holds each position."""
-    split = make_split(num_tokens, world_size, "zigzag")
-    return torch.cat([split.positions(r) for r in range(world_size)])
+    return torch.cat(zigzag_split(num_tokens, world_size))
 
 
 def test_7_1_solution_passes():
     assert run_check(SOLUTION, "7.1") is None
+
+
+def test_7_1_the_test_split_is_right():
+    """The helper the wrong answers below start from is a right answer: each differs from it in one thing."""
+    assert run_check(SOLUTION, "7.1", zigzag_positions=zigzag_split) is None
+
+
+def test_7_1_delegating_to_make_split_fails():
+    def delegating(num_tokens, world_size):
+        split = make_split(num_tokens, world_size, "zigzag")
+        return [split.positions(r) for r in range(world_size)]
+
+    _assert_caught(run_check(SOLUTION, "7.1", zigzag_positions=delegating), "asks you to write this yourself",
+                   "make_split")
+
+
+def test_7_1_delegating_restore_order_fails():
+    def delegating(num_tokens, world_size):
+        split = make_split(num_tokens, world_size, "zigzag")
+        return torch.argsort(torch.cat([split.positions(r) for r in range(world_size)]))
+
+    _assert_caught(run_check(SOLUTION, "7.1", restore_order=delegating), "asks you to write this yourself",
+                   "make_split")
+
+
+def test_7_1_remainder_on_the_last_pieces_is_named():
+    _assert_caught(run_check(SOLUTION, "7.1", zigzag_positions=late_remainder_split), "longer pieces last",
+                   "piece sizes [3, 3, 3, 3, 3, 4]", "the longer pieces come first")
 
 
 def test_7_1_naive_split_is_named():
@@ -92,8 +138,9 @@ def test_7_1_permutation_instead_of_its_inverse_is_named():
 
 def test_7_1_late_piece_first_is_named():
     def late_first(num_tokens, world_size):
-        split = make_split(num_tokens, world_size, "zigzag")
-        return [torch.cat([torch.arange(p.start, p.end) for p in reversed(split.pieces[r])]) for r in range(world_size)]
+        n = 2 * world_size
+        p = _pieces(num_tokens, n)
+        return [torch.cat([p[n - 1 - r], p[r]]) for r in range(world_size)]
 
     _assert_caught(run_check(SOLUTION, "7.1", zigzag_positions=late_first), "in increasing order")
 
@@ -102,8 +149,7 @@ def test_7_1_too_few_tokens_must_raise_value_error():
     def no_check(num_tokens, world_size):
         if num_tokens < 2 * world_size:
             return [torch.arange(num_tokens)] + [torch.empty(0, dtype=torch.long)] * (world_size - 1)
-        split = make_split(num_tokens, world_size, "zigzag")
-        return [split.positions(r) for r in range(world_size)]
+        return zigzag_split(num_tokens, world_size)
 
     _assert_caught(run_check(SOLUTION, "7.1", zigzag_positions=no_check), "raise ValueError")
 
@@ -163,15 +209,51 @@ def test_7_2_mask_by_local_index_is_named():
     _assert_caught(e, "local row indices", "global position")
 
 
+def _merge(out, lse, o, l):
+    """The log-sum-exp merge, written here (the check trips on the package's merge_attn_states)."""
+    new_lse = torch.logaddexp(lse, l)
+    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    return torch.exp(lse - safe)[..., None] * out + torch.exp(l - safe)[..., None] * o, new_lse
+
+
 def test_7_2_reference_attention_diagonal_is_named():
-    from minillm.attention.reference import merge_attn_states, reference_attention
+    from minillm.attention.reference import reference_attention
 
     def uses_reference_attention(q, q_pos, k, v, k_pos, out, lse):
         o, l = reference_attention(q, k, v, return_lse=True)  # the causal diagonal of a prefix + chunk
-        return merge_attn_states(out, lse, o, l)
+        return _merge(out, lse, o, l)
 
     e = run_check(SOLUTION, "7.2", ring_attention_step=uses_reference_attention)
     _assert_caught(e, "reference_attention's causal diagonal")
+
+
+def test_7_2_delegating_to_merge_attn_states_fails():
+    def delegating(q, q_pos, k, v, k_pos, out, lse):
+        right_out, right_lse = _step(q, q_pos, k, v, k_pos, torch.zeros_like(out), torch.full_like(lse, -math.inf))
+        return merge_attn_states(out, lse, right_out, right_lse)
+
+    _assert_caught(run_check(SOLUTION, "7.2", ring_attention_step=delegating), "Exercise 7.2 asks you to write this "
+                   "yourself", "merge_attn_states")
+
+
+def test_7_2_delegating_to_the_package_ring_step_fails():
+    from minillm.distributed.context_parallel import ContextParallelAttention
+
+    def delegating(q, q_pos, k, v, k_pos, out, lse):
+        # Whatever stands in for self, the package's step is the call that must fail.
+        ContextParallelAttention._attend_block(None, 0, q, torch.stack([k, v]), 0, out, lse)
+        return out, lse
+
+    _assert_caught(run_check(SOLUTION, "7.2", ring_attention_step=delegating), "asks you to write this yourself",
+                   "_attend_block")
+
+
+def test_7_2_one_over_head_dim_scale_is_named():
+    def scaled_by_d(q, q_pos, k, v, k_pos, out, lse):
+        return _step(q * (1 / math.sqrt(q.shape[2])), q_pos, k, v, k_pos, out, lse)  # scores / d
+
+    _assert_caught(run_check(SOLUTION, "7.2", ring_attention_step=scaled_by_d), "divided by head_dim",
+                   "1 / sqrt(head_dim)")
 
 
 def test_7_2_plain_averaging_is_named():

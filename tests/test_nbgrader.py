@@ -67,10 +67,11 @@ def test_stars_add_up_to_the_stated_points(solution):
     assert exercises
     assert sum(e.points for e in exercises) == stated_points(nb, solution.name)
     for e in exercises:
+        what = f"Challenge {e.number[1:]}" if e.challenge else f"Exercise {e.number}"
         heading = next(c.source for c in nb.cells[:e.answer_cell][::-1]
-                       if c.cell_type == "markdown" and f"### Exercise {e.number} " in c.source)
-        assert f"### Exercise {e.number} {'★' * e.points} " in heading
-        assert nb.cells[e.check_cell].source.lstrip().startswith(f"# Check Exercise {e.number}")
+                       if c.cell_type == "markdown" and f"### {what} " in c.source)
+        assert f"### {what} {'★' * e.stars} " in heading
+        assert nb.cells[e.check_cell].source.lstrip().startswith(f"# Check {what}")
 
 
 def _toy(points_line: str, stars: str = "★★") -> nbformat.NotebookNode:
@@ -96,6 +97,43 @@ def test_wrong_or_missing_points_name_the_notebook():
         notebook_exercises(_toy("Points: 2 (★ = 1, ★★ = 2, ★★★ = 3)", stars="(hard)"), "toy.ipynb")
 
 
+def _with_challenge(nb: nbformat.NotebookNode, stars: str = "★★★") -> nbformat.NotebookNode:
+    nb.cells += [
+        nbformat.v4.new_markdown_cell(f"### Challenge 9 {stars} add two (optional, extra credit)\n\nWrite it."),
+        nbformat.v4.new_code_cell("# Challenge 9: add two\ndef g(x):\n    ### BEGIN SOLUTION\n    return x + 2\n"
+                                  "    ### END SOLUTION"),
+        nbformat.v4.new_code_cell("# Check Challenge 9\nassert g(1) == 3"),
+    ]
+    return nb
+
+
+def test_a_challenge_is_extra_credit_worth_no_points():
+    nb = _with_challenge(_toy("Points: 2 (★ = 1, ★★ = 2, ★★★ = 3)"))
+    exercises = notebook_exercises(nb, "toy.ipynb")  # the stated points count the exercises only
+    assert [(e.number, e.points, e.extra_credit, e.check_id) for e in exercises] == [
+        ("9.1", 2, 0, "ex-9-1-check"), ("C9", 0, 3, "challenge-9-check")]
+    meta = source_notebook(nb, "toy.ipynb").cells[-1].metadata["nbgrader"]
+    assert meta["grade_id"] == "challenge-9-check" and meta["points"] == 0 and meta["grade"] is True
+    with pytest.raises(ValueError, match=r"Challenge 9 is an open challenge: give it ★★★"):
+        notebook_exercises(_with_challenge(_toy("Points: 2 (★ = 1, ★★ = 2, ★★★ = 3)"), stars="★★"), "toy.ipynb")
+
+
+@pytest.mark.slow
+def test_the_demo_gives_a_solved_challenge_its_extra_credit(tmp_path, capsys):
+    pytest.importorskip("nbgrader", reason="nbgrader is not installed (the [classroom] extra: make classroom)")
+    solutions = tmp_path / "solutions"
+    solutions.mkdir()
+    nb = _with_challenge(_toy("Points: 2 (★ = 1, ★★ = 2, ★★★ = 3)"))
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nbformat.write(nb, solutions / "09_toy.ipynb")
+    course = tmp_path / "course"
+    assert main(["nbgrader", str(course), "--solutions", str(solutions), "--demo", "09_toy"]) == 0
+    # solved: 2 points + 3 extra over a maximum of 2; half-solved (the first half of the exercises): 0 of 1 exercise
+    assert gradebook_scores(course, "09_toy") == {"sample_solved": (5.0, 2.0), "sample_unsolved": (0.0, 2.0),
+                                                   "sample_half": (0.0, 2.0)}
+    assert cell_scores(course, "09_toy", "sample_solved")["challenge-9-check"] == (3.0, 0.0)
+
+
 def test_source_notebook_marks_answer_and_check_cells_only():
     nb = source_notebook(_toy("Points: 2 (★ = 1, ★★ = 2, ★★★ = 3)"), "toy.ipynb")
     metas = [c.metadata.get("nbgrader") for c in nb.cells]
@@ -118,9 +156,9 @@ def test_course_directory_is_the_same_on_every_rebuild(tmp_path):
         assert a == (tmp_path / "b" / "source" / stem / f"{stem}.ipynb").read_text()
         ids = [c.metadata["nbgrader"]["grade_id"] for c in nbformat.reads(a, as_version=4).cells
                if "nbgrader" in c.metadata]
-        numbers = [e.number.replace(".", "-") for e in notebook_exercises(_read(ROOT / "solutions" / f"{stem}.ipynb"),
-                                                                          stem)]
-        assert ids == [f"ex-{n}-{kind}" for n in numbers for kind in ("answer", "check")]
+        exercises = notebook_exercises(_read(ROOT / "solutions" / f"{stem}.ipynb"), stem)
+        assert ids == [i for e in exercises for i in (e.answer_id, e.check_id)]
+        assert all(re.fullmatch(r"(ex-\d+-\d+|challenge-\d+)-(answer|check)", i) for i in ids), ids
     config = (tmp_path / "a" / "nbgrader_config.py").read_text()
     assert f"c.CourseDirectory.root = {str((tmp_path / 'a').resolve())!r}" in config
     assert "c.CourseDirectory.course_id = 'minillm'" in config
@@ -194,19 +232,52 @@ def test_generate_assignment_gives_the_exercise_notebooks(course, stem):
     assert locked == [e.check_id for e in notebook_exercises(_read(ROOT / "solutions" / f"{stem}.ipynb"), stem)]
 
 
+def _exercises_only(exercises):
+    return [e for e in exercises if not e.challenge]
+
+
 def _expected(stem: str) -> dict[str, dict[str, float]]:
-    """student -> check grade id -> the score it must get (computed from the solution notebook, not nbgrader)."""
+    """student -> check grade id -> the score it must get (computed from the solution notebook, not nbgrader). A
+    solved challenge scores its extra credit (its check is worth 0 points)."""
     exercises = notebook_exercises(_read(ROOT / "solutions" / f"{stem}.ipynb"), stem)
-    solved = {"sample_solved": exercises, "sample_unsolved": [], "sample_half": exercises[:half_count(exercises)]}
-    return {student: {e.check_id: float(e.points if e in solved[student] else 0) for e in exercises}
+    solved = {"sample_solved": exercises, "sample_unsolved": [],
+              "sample_half": _exercises_only(exercises)[:half_count(exercises)]}
+    return {student: {e.check_id: float(e.points + e.extra_credit if e in solved[student] else 0) for e in exercises}
             for student in SAMPLE_STUDENTS}
+
+
+DELEGATING_STUDENT = "sample_delegating"
+
+
+def _submit_delegating(course: Path, assignment: str) -> None:
+    """A student who answers every exercise by calling the package's own implementation of its part
+    (tests/delegating_answers.py); for the capstone, the chapter notebooks beside it are answered the same way."""
+    from minillm.exercises.nbgrader import learner_notebook
+    from tests.delegating_answers import answer_cell
+
+    def delegate(nb):
+        for cell in nb.cells:
+            m = re.match(r"# Exercise (\d+\.\d+):", cell.source) if cell.cell_type == "code" else None
+            if m:
+                cell.source = answer_cell(m.group(1))
+        return nb
+
+    folder = course / "submitted" / DELEGATING_STUDENT / assignment
+    folder.mkdir(parents=True, exist_ok=True)
+    nbformat.write(delegate(_read(course / "release" / assignment / f"{assignment}.ipynb")),
+                   folder / f"{assignment}.ipynb")
+    for name in siblings_needed().get(assignment, ()):
+        nbformat.write(delegate(learner_notebook(_read(ROOT / "solutions" / name), set())), folder / name)
 
 
 @pytest.fixture(scope="module")
 def graded(course):
-    """The sample students graded on CHAPTERS: returns student -> assignment -> grade id -> score, per run."""
-    grade_samples(course, CHAPTERS, ROOT / "solutions")
-    return {a: {s: cell_scores(course, a, s) for s in SAMPLE_STUDENTS} for a in CHAPTERS}
+    """The sample students graded on CHAPTERS (and a student whose answers delegate to the package): returns
+    assignment -> student -> grade id -> score, per run."""
+    for assignment in CHAPTERS:
+        _submit_delegating(course, assignment)
+    grade_samples(course, CHAPTERS, ROOT / "solutions")  # autograde grades every submission not yet graded
+    return {a: {s: cell_scores(course, a, s) for s in (*SAMPLE_STUDENTS, DELEGATING_STUDENT)} for a in CHAPTERS}
 
 
 @pytest.mark.slow
@@ -215,12 +286,17 @@ def test_autograde_gives_full_zero_and_the_exact_partial_score(course, graded):
     for stem in CHAPTERS:
         expected = _expected(stem)
         scores = gradebook_scores(course, stem)
-        total = sum(expected["sample_solved"].values())
+        exercises = notebook_exercises(_read(ROOT / "solutions" / f"{stem}.ipynb"), stem)
+        total = float(sum(e.points for e in exercises))  # the maximum: challenges add extra credit above it
+        with_extra = sum(expected["sample_solved"].values())
         half = sum(expected["sample_half"].values())
         if len(expected["sample_half"]) > 1:  # the capstone has one exercise: its half-solved copy solves none
             assert 0 < half < total, f"{stem}: the half-solved student must score between 0 and {total}"
-        assert scores == {"sample_solved": (total, total), "sample_unsolved": (0.0, total),
-                          "sample_half": (half, total)}, stem
+        assert with_extra == total + sum(e.extra_credit for e in exercises)
+        assert scores == {"sample_solved": (with_extra, total), "sample_unsolved": (0.0, total),
+                          "sample_half": (half, total), DELEGATING_STUDENT: (0.0, total)}, stem
+        delegated = graded[stem][DELEGATING_STUDENT]
+        assert delegated and all(score == 0.0 for score, _ in delegated.values()), f"{stem}: {delegated}"
         for student in SAMPLE_STUDENTS:
             got = {gid: score for gid, (score, _) in graded[stem][student].items()}
             assert got == expected[student], f"{stem}, {student}: cell scores {got}"
@@ -235,9 +311,9 @@ def _text(path: Path) -> str:
 def test_feedback_names_the_first_exercise_left_unsolved(course, graded):
     for stem in CHAPTERS:
         exercises = notebook_exercises(_read(ROOT / "solutions" / f"{stem}.ipynb"), stem)
-        first_unsolved = exercises[half_count(exercises)]
+        first_unsolved = _exercises_only(exercises)[half_count(exercises)]
         text = _text(course / "feedback" / "sample_half" / stem / f"{stem}.html")
-        half = sum(e.points for e in exercises[:half_count(exercises)])
+        half = sum(e.points for e in _exercises_only(exercises)[:half_count(exercises)])
         assert f"{stem} (Score: {half}.0 / {sum(e.points for e in exercises)}.0)" in text
         start = text.index(f"Grade cell: {first_unsolved.check_id} Score: 0.0 / {first_unsolved.points}.0")
         cell = text[start:text.find("Grade cell:", start + 1)]
@@ -249,8 +325,12 @@ def test_feedback_names_the_first_exercise_left_unsolved(course, graded):
             assert re.search(rf"NotImplementedError\s*:\s*Exercise {re.escape(first_unsolved.number)}:", cell), \
                 f"{stem}: the feedback of {first_unsolved.check_id} does not show the stub's error:\n{cell[:2000]}"
         total = sum(e.points for e in exercises)
+        extra = sum(e.extra_credit for e in exercises)
         solved = _text(course / "feedback" / "sample_solved" / stem / f"{stem}.html")
-        assert f"{stem} (Score: {total}.0 / {total}.0)" in solved
+        assert f"{stem} (Score: {total + extra}.0 / {total}.0)" in solved
+        delegating = _text(course / "feedback" / DELEGATING_STUDENT / stem / f"{stem}.html")
+        assert f"{stem} (Score: 0.0 / {total}.0)" in delegating
+        assert "asks you to write this yourself" in delegating
 
 
 @pytest.mark.slow
@@ -282,7 +362,7 @@ def test_scores_are_the_same_when_graded_again(course, graded):
     chapters = CHAPTERS if CHOSEN else ["02_paged_kv_cache"]
     grade_samples(course, chapters, ROOT / "solutions")
     again = {a: {s: cell_scores(course, a, s) for s in SAMPLE_STUDENTS} for a in chapters}
-    assert again == {a: graded[a] for a in chapters}
+    assert again == {a: {s: graded[a][s] for s in SAMPLE_STUDENTS} for a in chapters}
 
 
 def test_the_classroom_extra_and_everything_it_pulls_in_are_pinned():

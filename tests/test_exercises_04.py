@@ -1,11 +1,18 @@
 """Exercises 4.1-4.3 (the scheduler): every check cell catches the usual wrong answers and says why, and accepts the
 solution. Each wrong answer is the solution's own code with one thing changed (``tests/exercise_helpers.mutated``).
+An answer that calls the package's own method (``super()._schedule_waiting(step)``) fails every check, and so does
+one that inherits it. Challenge 4 (admission with a KV-cache watermark) accepts the solution and names the usual
+slips.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+import matplotlib
+import nbformat
 import pytest
 
-from tests.exercise_helpers import caught, mutated, run_check
+from tests.exercise_helpers import ROOT, _compile_cell, _plain_python, caught, mutated, run_check
 
 NB04 = "04_scheduler.ipynb"
 
@@ -104,3 +111,148 @@ def test_4_3_preemption_mistakes(edits, why):
     assert why in caught(NB04, "4.3", FCFSPreemptionScheduler=_scheduler("4.3", "FCFSPreemptionScheduler", *edits))
 
 
+
+
+def test_4_1_a_loop_over_a_copy_of_running_is_told_that_it_scheduled_the_victim():
+    """`for request in list(self.running)` still visits a victim that comes after the current request."""
+    wrong = _scheduler("4.1", "RunningLoopScheduler",
+                       ("        req_index = 0\n        while req_index < len(self.running) and step.token_budget > 0:\n"
+                        "            request = self.running[req_index]\n",
+                        "        for request in list(self.running):\n            if step.token_budget <= 0:\n"
+                        "                break\n"),
+                       ("            later = self.running[req_index + 1:]\n", ""),
+                       ("                req_index = next((self.running.index(r) for r in later if r in self.running), "
+                        "len(self.running))\n", ""),
+                       ("            req_index = self.running.index(request) + 1\n", ""))
+    why = caught(NB04, "4.1", RunningLoopScheduler=wrong)
+    assert "you scheduled r2 after r0's allocation had preempted it" in why and "for request in list(self.running)" in why
+    assert "scheduled_running_reqs" not in why.split("\n")[0]
+
+
+# -- delegating answers: the package's own method raises while the learner's class runs -------------------------------
+DELEGATING_04 = {
+    "4.1": ("RunningLoopScheduler", """
+class RunningLoopScheduler(Scheduler):
+    def _schedule_running(self, step):
+        return super()._schedule_running(step)
+"""),
+    "4.2": ("AdmissionScheduler", """
+class AdmissionScheduler(Scheduler):
+    def _schedule_waiting(self, step):
+        return super()._schedule_waiting(step)
+"""),
+    "4.3": ("FCFSPreemptionScheduler", """
+class FCFSPreemptionScheduler(Scheduler):
+    def _preempt_request(self, request):
+        return super()._preempt_request(request)
+
+    def _allocate_or_preempt(self, request, num_new_tokens, step):
+        return super()._allocate_or_preempt(request, num_new_tokens, step)
+"""),
+}
+
+
+def _defined(source: str, name: str):
+    ns: dict = {}
+    exec(compile(SCHED_HEADER + source, "<delegating answer>", "exec"), ns)  # noqa: S102
+    return ns[name]
+
+
+@pytest.mark.parametrize("exercise", ["4.1", "4.2", "4.3"])
+def test_4_x_an_answer_that_calls_super_fails(exercise):
+    name, source = DELEGATING_04[exercise]
+    assert "asks you to write this yourself" in caught(NB04, exercise, **{name: _defined(source, name)})
+
+
+def test_4_x_a_class_that_inherits_the_method_fails():
+    for exercise, (name, _) in DELEGATING_04.items():
+        inherits = _defined(f"class {name}(Scheduler):\n    pass\n", name)
+        assert "asks you to write this yourself" in caught(NB04, exercise, **{name: inherits})
+
+
+@pytest.mark.parametrize("delegated", ["_preempt_request", "_allocate_or_preempt"])
+def test_4_3_delegating_one_of_its_two_methods_fails(delegated):
+    """The solution's own code for one method, super() for the other: each of the two is the exercise."""
+    own = _scheduler("4.3", "FCFSPreemptionScheduler")
+    args = {"_preempt_request": "request", "_allocate_or_preempt": "request, num_new_tokens, step"}[delegated]
+    source = (f"class FCFSPreemptionScheduler(Own):\n    def {delegated}(self, {args}):\n"
+              f"        return super(Own, self).{delegated}({args})\n")
+    ns: dict = {"Own": own}
+    exec(compile(source, "<half delegating>", "exec"), ns)  # noqa: S102
+    assert "asks you to write this yourself" in caught(NB04, "4.3", FCFSPreemptionScheduler=ns["FCFSPreemptionScheduler"])
+
+
+# -- Challenge 4: admission with a KV-cache watermark ---------------------------------------------------------------
+def run_challenge(solution: str | Path = NB04, **replace) -> BaseException | None:
+    """Run ``solution`` (under ``solutions/``, or a path) up to its ``# Check Challenge 4`` cell, skipping the
+    exercises' checks, with ``replace`` swapped in after the ``# Challenge 4:`` cell; what the check raised, or None."""
+    path = Path(solution) if Path(solution).is_absolute() else ROOT / "solutions" / solution
+    matplotlib.use("Agg")
+    ns: dict = {"__name__": "__main__"}
+    for cell in nbformat.read(path, as_version=4).cells:
+        first = cell.source.lstrip().splitlines()[0] if cell.cell_type == "code" and cell.source.strip() else ""
+        if not first or first.startswith("# Check Exercise"):
+            continue
+        code = _compile_cell(_plain_python(cell.source), f"{path.name}:cell")
+        if first.startswith("# Check Challenge 4"):
+            try:
+                exec(code, ns)  # noqa: S102
+            except BaseException as e:  # noqa: BLE001 - the caller asserts on it
+                return e
+            return None
+        exec(code, ns)  # noqa: S102
+        if first.startswith("# Challenge 4:"):
+            ns.update(replace)
+    raise LookupError(f"{path.name} has no '# Check Challenge 4' cell")
+
+
+def _challenge_answer(*edits):
+    """The solution's WatermarkScheduler with each (old, new) edit applied once."""
+    nb = nbformat.read(ROOT / "solutions" / NB04, as_version=4)
+    source = next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith("# Challenge 4:"))
+    for old, new in edits:
+        assert source.count(old) == 1, f"edit {old!r} does not apply once to challenge 4"
+        source = source.replace(old, new)
+    return _defined(source, "WatermarkScheduler")
+
+
+def test_challenge_4_accepts_the_solution(capsys):
+    assert run_challenge() is None
+    assert "Challenge 4 passed" in capsys.readouterr().out
+
+
+def test_challenge_4_delegating_answers_fail():
+    calls_super = _defined("class WatermarkScheduler(Scheduler):\n    watermark = 0.0\n\n"
+                           "    def _schedule_waiting(self, step):\n        return super()._schedule_waiting(step)\n",
+                           "WatermarkScheduler")
+    calls_reference = _defined("from minillm.exercises.challenges.ch04 import WatermarkScheduler as _W\n\n\n"
+                               "class WatermarkScheduler(Scheduler):\n    watermark = 0.0\n\n"
+                               "    def _schedule_waiting(self, step):\n        return _W._schedule_waiting(self, step)\n",
+                               "WatermarkScheduler")
+    for answer in (calls_super, calls_reference):
+        e = run_challenge(WatermarkScheduler=answer)
+        assert isinstance(e, AssertionError) and "Challenge 4 asks you to write this yourself" in str(e), e
+
+
+@pytest.mark.parametrize("edits, why", [
+    ([("                if num_new_blocks + num_evictable_hits + watermark_blocks > kv.num_free_blocks:\n"
+       "                    break\n", "")], "would leave 2, fewer than the watermark's int(0.1 x 40) = 4 blocks"),
+    ([("int(self.watermark * kv.num_blocks)", "int(self.watermark * kv.num_free_blocks)")],
+     "a fraction of all the cache's blocks (self.kv_cache_manager.num_blocks), not of the free ones"),
+    ([("+ watermark_blocks > kv.num_free_blocks", "+ watermark_blocks >= kv.num_free_blocks")],
+     "leaves exactly the watermark's int(0.1 x 40) = 4 blocks: that is allowed"),
+    ([("int(self.watermark * kv.num_blocks)", "int(self.watermark * (kv.num_blocks - 1))")],
+     "the null block included"),
+    ([("int(self.watermark * kv.num_blocks)", "int(-(-(self.watermark * kv.num_blocks) // 1))")], "round down"),
+    ([("            if self.running:\n", "            if True:\n")], "an empty engine takes its first request"),
+    ([("        while self.waiting and step.token_budget > 0:\n",
+       "        anyone_running = bool(self.running)\n        while self.waiting and step.token_budget > 0:\n"),
+      ("            if self.running:\n", "            if anyone_running:\n")],
+     "Test self.running for each request, not once before the loop"),
+    ([("sum(1 for b in hit_blocks if b.ref_cnt == 0)", "0")], "r1's 4 hit blocks are cached but held by nobody"),
+    ([("sum(1 for b in hit_blocks if b.ref_cnt == 0)", "len(hit_blocks)")], "r1's 4 hit blocks are held by rc"),
+], ids=["no_watermark", "fraction_of_free", "refuses_at_exactly_w", "usable_blocks", "rounds_up", "empty_engine",
+        "tested_once", "evictable_hits_free", "shared_hits_counted"])
+def test_challenge_4_mistakes(edits, why):
+    e = run_challenge(WatermarkScheduler=_challenge_answer(*edits))
+    assert isinstance(e, AssertionError) and why in str(e), e

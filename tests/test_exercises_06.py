@@ -184,3 +184,210 @@ def test_check_62_explains_a_crash_with_the_order_of_the_calls(shared_model):
     e = run_check(SOLUTION, "6.2", my_step=step_skipping_update)
     _assert_caught(e, "step 0: my_step raised TypeError", "in this order, each on what the one before returned")
     assert isinstance(e.__cause__, TypeError)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Issue 24: answers that delegate to the package trip the wire; dtype and status mistakes named as such
+
+
+@pytest.mark.slow
+def test_check_61_fails_an_answer_that_calls_the_package(shared_model):
+    import minillm.worker.model_runner as runner_module
+
+    def delegating(scheduler_output, requests, block_size, device="cpu"):
+        return runner_module.prepare_inputs(scheduler_output, requests, block_size, device)
+
+    _assert_caught(run_check(SOLUTION, "6.1", my_prepare_inputs=delegating), "asks you to write this yourself",
+                   "prepare_inputs")
+
+
+@pytest.mark.slow
+def test_check_61_fails_an_answer_that_calls_the_runners_method(shared_model):
+    from minillm.worker.model_runner import ModelRunner
+
+    def delegating(scheduler_output, requests, block_size, device="cpu"):
+        from types import SimpleNamespace
+
+        from minillm.engine.parts import EngineParts
+        runner = SimpleNamespace(parts=EngineParts(), requests=requests, block_size=block_size, device=device)
+        return ModelRunner._prepare_inputs(runner, scheduler_output)   # the runner's own method, on a stand-in
+
+    _assert_caught(run_check(SOLUTION, "6.1", my_prepare_inputs=delegating), "asks you to write this yourself")
+
+
+def loop_prepare_inputs_int64_block_table(scheduler_output, requests, block_size, device="cpu"):
+    """Right but for the block table, made with torch.tensor(rows) and so int64."""
+    b = loop_prepare_inputs(scheduler_output, requests, block_size, device)
+    md = b.attn_metadata
+    rows = md.block_table.tolist()
+    md = AttentionMetadata(md.query_start_loc, md.seq_lens, torch.tensor(rows), md.slot_mapping, md.max_query_len,
+                           md.max_seq_len)
+    return BatchInputs(b.req_ids, b.input_ids, b.positions, md, b.logits_indices, b.discard_request_mask,
+                       b.draft_token_ids)
+
+
+def loop_prepare_inputs_float_positions(scheduler_output, requests, block_size, device="cpu"):
+    b = loop_prepare_inputs(scheduler_output, requests, block_size, device)
+    return BatchInputs(b.req_ids, b.input_ids, b.positions.float(), b.attn_metadata, b.logits_indices,
+                       b.discard_request_mask, b.draft_token_ids)
+
+
+def loop_prepare_inputs_int_mask(scheduler_output, requests, block_size, device="cpu"):
+    b = loop_prepare_inputs(scheduler_output, requests, block_size, device)
+    return BatchInputs(b.req_ids, b.input_ids, b.positions, b.attn_metadata, b.logits_indices,
+                       b.discard_request_mask.astype(np.int64), b.draft_token_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrong, phrases", [
+    (loop_prepare_inputs_int64_block_table,
+     ["`block_table` differs", "has dtype torch.int64, expected torch.int32",
+      "a dtype mistake: block_table must be a torch.int32 tensor", "its values are right", "dtype=torch.int32"]),
+    (loop_prepare_inputs_float_positions,
+     ["`positions` differs", "a dtype mistake: positions must be a torch.int64 tensor", "yours is torch.float32"]),
+    (loop_prepare_inputs_int_mask,
+     ["`discard_request_mask` differs", "NumPy array of dtype int64, expected dtype bool",
+      "a dtype mistake: discard_request_mask is a NumPy array of bool"]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_check_61_names_a_dtype_mistake_as_such(shared_model, wrong, phrases):
+    e = run_check(SOLUTION, "6.1", my_prepare_inputs=wrong)
+    _assert_caught(e, *phrases)
+    assert "pad short rows" not in str(e)
+
+
+@pytest.mark.slow
+def test_check_62_fails_an_answer_that_calls_the_engines_step(shared_model):
+    def delegating(engine):
+        return engine.step()
+
+    def delegating_inner(engine):
+        return engine._run_scheduled_step(engine.scheduler.schedule())
+
+    for wrong in (delegating, delegating_inner):
+        _assert_caught(run_check(SOLUTION, "6.2", my_step=wrong), "asks you to write this yourself", "LLMEngine.")
+
+
+def step_finishing_stop_strings_as(status):
+    def my_step(engine):
+        scheduler_output = engine.scheduler.schedule()
+        runner_output = engine.model_runner.execute_model(scheduler_output)
+        core_outputs = engine.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, reqs_to_abort = engine.output_processor.process_outputs(core_outputs, runner_output.logprobs)
+        if status is None:
+            engine.scheduler.finish_requests(reqs_to_abort)   # the default status: FINISHED_ABORTED
+        else:
+            engine.scheduler.finish_requests(reqs_to_abort, status)
+        engine.model_runner.remove_requests([o.request_id for o in outputs if o.finished])
+        return outputs
+    return my_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, None], ids=["aborted", "default"])
+def test_check_62_fails_a_stop_string_finished_as_aborted(shared_model, status):
+    _assert_caught(run_check(SOLUTION, "6.2", my_step=step_finishing_stop_strings_as(status)),
+                   "request 'paris' ended on a stop string", "with status FINISHED_ABORTED",
+                   "LLMEngine.step gives FINISHED_STOPPED", "not a cancellation")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Challenge 6: parallel sampling
+
+
+def run_challenge(**replace):
+    """Run solutions/06 up to the check of challenge 6, with ``replace`` swapped in after the challenge's cell;
+    the exception the check raised, or None. The exercises' checks before it are skipped (they are tested above)."""
+    import os
+
+    import matplotlib
+    import nbformat
+
+    from tests.exercise_helpers import ROOT
+    path = ROOT / "solutions" / SOLUTION
+    nb = nbformat.read(path, as_version=4)
+    matplotlib.use("Agg")
+    ns = {"__name__": "__main__"}
+    cwd = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        for cell in nb.cells:
+            if cell.cell_type != "code":
+                continue
+            first = cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
+            if first.startswith("# Check Exercise"):
+                continue
+            if first.startswith("# Check Challenge 6"):
+                try:
+                    exec(compile(cell.source, "<check challenge 6>", "exec"), ns)  # noqa: S102
+                except BaseException as e:  # noqa: BLE001 - the caller asserts on it
+                    return e
+                return None
+            exec(compile(cell.source, "<cell>", "exec"), ns)  # noqa: S102
+            if first.startswith("# Challenge 6:"):
+                ns.update(replace)
+        raise LookupError("no '# Check Challenge 6' cell")
+    finally:
+        os.chdir(cwd)
+
+
+def sample_children(engine, request_id, prompt_ids, params, n, *, seed_of=lambda seed, i: seed + i,
+                    copy_params=True, one_at_a_time=False, index=True, always_seed=False):
+    """A learner's parallel sampling, right unless a keyword says otherwise."""
+    import copy
+    import dataclasses
+    answers = [None] * n
+
+    def run_until_done(ids):
+        while any(answers[i] is None for i in ids.values()):
+            for out in engine.step():
+                if out.request_id in ids and out.finished:
+                    i = ids[out.request_id]
+                    answers[i] = dataclasses.replace(out.outputs[0], index=i) if index else out.outputs[0]
+
+    children = {}
+    for i in range(n):
+        p = params
+        if params.seed is not None or always_seed:
+            p = copy.copy(params) if copy_params else params
+            p.seed = seed_of(params.seed if copy_params else p.seed, i)
+        engine.add_request(f"{i}_{request_id}", list(prompt_ids), p)
+        children[f"{i}_{request_id}"] = i
+        if one_at_a_time:
+            run_until_done({f"{i}_{request_id}": i})
+    run_until_done(children)
+    return answers
+
+
+@pytest.mark.slow
+def test_challenge_6_check_passes_the_solution_and_a_learners_loop(shared_model):
+    assert run_challenge() is None
+    assert run_challenge(my_parallel_sample=sample_children) is None
+
+
+@pytest.mark.slow
+def test_challenge_6_check_fails_a_delegating_answer(shared_model):
+    def delegating(engine, request_id, prompt_ids, params, n):
+        from minillm.exercises.challenges.ch06 import parallel_sample
+        return parallel_sample(engine, request_id, prompt_ids, params, n)
+
+    _assert_caught(run_challenge(my_parallel_sample=delegating), "Challenge 6 asks you to write this yourself",
+                   "parallel_sample")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake, phrases", [
+    (dict(seed_of=lambda seed, i: seed), ["all 3 answers are the same", "Child i samples with seed + i"]),
+    (dict(seed_of=lambda seed, i: seed + i + 1), ["answer 0 differs", "yours is the reference's answer 1",
+                                                   "child 0's seed is off; it is seed + 0"]),
+    (dict(copy_params=False), ["you changed the caller's SamplingParams", "copy.copy(params)"]),
+    (dict(one_at_a_time=True), ["the children did not run side by side", "Add every child before the first step"]),
+    (dict(index=False), ["index fields are [0, 0, 0]", "dataclasses.replace(completion, index=i)"]),
+], ids=["same-seed", "seed-from-1", "params-mutated", "one-at-a-time", "index-0"])
+def test_challenge_6_check_names_the_mistake(shared_model, mistake, phrases):
+    _assert_caught(run_challenge(my_parallel_sample=partial(sample_children, **mistake)), *phrases)
+
+
+@pytest.mark.slow
+def test_challenge_6_check_explains_a_seed_added_to_none(shared_model):
+    e = run_challenge(my_parallel_sample=partial(sample_children, always_seed=True))
+    _assert_caught(e, "my_parallel_sample raised TypeError", "on probe 2", "only a seed is made per child")

@@ -2,9 +2,11 @@
 
 Each test runs a solution notebook up to one check cell with a deliberately wrong answer swapped in
 (``tests/exercise_helpers.run_check``) and asserts that the check fails with an ``AssertionError`` whose message
-names the mistake, not only where the values differ. A last group checks the course-wide exercise format of these
-three notebooks (a ``### Exercise N.M ★`` heading, a folded hint, the exercise, its check) and the names and
-signatures chapter 8 loads from a learner's notebook.
+names the mistake, not only where the values differ. An answer that calls the package's own implementation of the
+part fails every check with "asks you to write this yourself" (``minillm/exercises/tripwire.py``). Chapter 2's open
+challenge (sliding-window freeing) is checked the same way. A last group checks the course-wide exercise format of
+these three notebooks (a ``### Exercise N.M ★`` heading, two folded hints, the exercise, its check; the challenge's
+heading, hints, cell and check) and the names and signatures chapter 8 loads from a learner's notebook.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 from minillm.attention.reference import causal_mask, reference_attention
 from minillm.core import hash_block_tokens
 from minillm.exercises.build import BEGIN
-from tests.exercise_helpers import run_check
+from tests.exercise_helpers import _compile_cell, _plain_python, mutated, run_check
 
 ROOT = Path(__file__).resolve().parent.parent
 NB00, NB01, NB02 = "00_warmup.ipynb", "01_attention_and_chunks.ipynb", "02_paged_kv_cache.ipynb"
@@ -40,10 +42,49 @@ def model_loaded_once(smollm):
 
 def caught(solution: str, exercise: str, **wrong) -> str:
     """The message of the AssertionError the check of ``exercise`` raises on ``wrong``; fails if it raises nothing
-    or something else."""
-    e = run_check(solution, exercise, **wrong)
+    or something else. ``exercise`` "C2" is chapter 2's challenge."""
+    e = run_challenge(solution, exercise, **wrong) if exercise.startswith("C") else run_check(solution, exercise,
+                                                                                               **wrong)
     assert isinstance(e, AssertionError), f"check {exercise} did not fail with an AssertionError on {wrong}: {e!r}"
     return str(e)
+
+
+def run_challenge(solution: str, challenge: str, **replace) -> BaseException | None:
+    """``run_check`` for an open challenge ("C2"): the notebook's code cells up to its ``# Check Challenge 2`` cell,
+    with ``replace`` swapped in after the ``# Challenge 2:`` cell; returns what the check raised, or ``None``."""
+    import os
+
+    import matplotlib
+
+    number = challenge[1:]
+    path = ROOT / "solutions" / solution
+    matplotlib.use("Agg")
+    ns: dict = {"__name__": "__main__"}
+    cwd = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "code" or not cell.source.strip():
+                continue
+            first = cell.source.lstrip().splitlines()[0]
+            if first.startswith("# Check Exercise"):
+                continue  # the exercises' checks are tested on their own
+            code = _compile_cell(_plain_python(cell.source), f"{solution}:cell")
+            if first.startswith(f"# Check Challenge {number}"):
+                try:
+                    exec(code, ns)  # noqa: S102
+                except BaseException as e:  # noqa: BLE001 - the caller asserts on it
+                    return e
+                return None
+            exec(code, ns)  # noqa: S102
+            if first.startswith(f"# Challenge {number}:"):
+                ns.update(replace)
+        raise LookupError(f"{solution} has no '# Check Challenge {number}' cell")
+    finally:
+        os.chdir(cwd)
+
+
+DELEGATED = "asks you to write this yourself"
 
 
 # -- 00 ----------------------------------------------------------------------------------------------------------------
@@ -111,7 +152,8 @@ def test_01_1_2_3_checks_accept_the_solutions():
     (lambda query_len, ctx_len: torch.ones(query_len, ctx_len + query_len, dtype=torch.bool).tril(),
      "does not shift the query positions by ctx_len"),
     (lambda query_len, ctx_len: torch.ones(query_len, query_len, dtype=torch.bool).tril(), "is square"),
-    (lambda query_len, ctx_len: ~causal_mask(query_len, ctx_len), "is inverted"),
+    (mutated(NB01, "1.1", "rectangular_causal_mask", ("return key_pos <= query_pos", "return key_pos > query_pos"),
+             header="import torch\n"), "is inverted"),
 ], ids=["strict", "not_shifted", "square", "inverted"])
 def test_01_1_mask_mistakes(wrong, why):
     assert why in caught(NB01, "1.1", rectangular_causal_mask=wrong)
@@ -325,31 +367,66 @@ def test_02_5_free_without_decrementing():
 # -- the format and the names chapter 8 loads --------------------------------------------------------------------------
 EXERCISES = {NB00: ["0.1", "0.2"], NB01: ["1.1", "1.2", "1.3", "1.4"], NB02: ["2.1", "2.2", "2.3", "2.4", "2.5"]}
 HEADING = re.compile(r"^### Exercise (\d+\.\d+) (★{1,3}) \S")
-HINT = re.compile(r"^<details><summary>Hint</summary>\n.*\S.*\n</details>$", re.S)
+# Two folded hints in one cell, each with its English text and then its Chinese **提示 N：** paragraph.
+_BLOCK = r"(?:(?!</details>|<details>).)*"
+HINT = re.compile(r"^<details><summary>Hint 1: the idea</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
+                  + r"\n\*\*提示 1：\*\* \S" + _BLOCK + r"\n</details>\n"
+                  r"<details><summary>Hint 2: closer to the code</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
+                  + r"\n\*\*提示 2：\*\* \S" + _BLOCK + r"\n</details>$", re.S)
+CHALLENGE = re.compile(r"^### Challenge (\d+) ★★★ \S.* \(optional, extra credit\)\n")
+
+
+def test_the_hint_format_is_exactly_two_steps():
+    two = ("<details><summary>Hint 1: the idea</summary>\n\nThe idea.\n\n**提示 1：** 思路。\n\n</details>\n"
+           "<details><summary>Hint 2: closer to the code</summary>\n\nCloser.\n\n**提示 2：** 更近。\n\n</details>")
+    assert HINT.match(two)
+    one = "<details><summary>Hint</summary>\n\nAll of it.\n\n**提示：** 全部。\n\n</details>"
+    assert not HINT.match(one)
+    assert not HINT.match(two.replace("**提示 2：** 更近。", ""))              # a step without its Chinese
+    assert not HINT.match(two.replace("\n\nCloser.", ""))                      # a step without its English
+    assert not HINT.match(two.split("\n<details>")[0])                          # the first step alone
 
 
 @pytest.mark.parametrize("name", EXERCISES, ids=lambda n: n[:2])
 def test_every_exercise_has_a_difficulty_heading_and_a_hint(name):
     cells = nbformat.read(ROOT / "solutions" / name, as_version=4).cells
-    found = []
+    found, challenges = [], []
     for i, cell in enumerate(cells):
         if cell.cell_type != "code" or BEGIN not in cell.source:
             continue
-        number = re.match(r"# Exercise (\d+\.\d+):", cell.source).group(1)
         hint, heading = cells[i - 1], cells[i - 2]
         assert hint.cell_type == "markdown" and HINT.match(hint.source.strip()), (
-            f"{name}: exercise {number} must be preceded by a hint cell that is one <details><summary>Hint</summary> "
-            f"block, got {hint.source[:80]!r}")
+            f"{name}: the cell {cell.source.splitlines()[0]!r} must be preceded by a hint cell of two <details> "
+            f"blocks ('Hint 1: the idea', 'Hint 2: closer to the code'), got {hint.source[:80]!r}")
+        challenge = re.match(r"# Challenge (\d+): \S", cell.source)
+        if challenge:
+            number = challenge.group(1)
+            m = CHALLENGE.match(heading.source) if heading.cell_type == "markdown" else None
+            assert m and m.group(1) == number and f"**挑战 {number} ★★★" in heading.source, (
+                f"{name}: challenge {number} must follow a '### Challenge {number} ★★★ title (optional, extra "
+                f"credit)' cell with its Chinese statement, got {heading.source[:60]!r}")
+            assert "vllm/" in heading.source, f"{name}: challenge {number} must cite vLLM's file:function"
+            check = cells[i + 1].source
+            assert check.startswith(f"# Check Challenge {number}")
+            assert f"from minillm.exercises.challenges.ch{int(number):02d} import" in check
+            assert f'guard("C{number}"' in check
+            challenges.append((i, number))
+            continue
+        number = re.match(r"# Exercise (\d+\.\d+):", cell.source).group(1)
         m = HEADING.match(heading.source) if heading.cell_type == "markdown" else None
         assert m and m.group(1) == number, (
             f"{name}: the hint of exercise {number} must follow a '### Exercise {number} ★ title' cell, got "
             f"{heading.source[:60]!r}")
         assert cells[i + 1].source.startswith(f"# Check Exercise {number}")
-        found.append((number, m.group(2)))
-    assert [n for n, _ in found] == EXERCISES[name]
+        found.append((i, number, m.group(2)))
+    assert [n for _, n, _ in found] == EXERCISES[name]
+    chapter = str(int(name[:2]))
+    assert [n for _, n in challenges] == ([chapter] if int(chapter) >= 2 else []), (
+        f"{name}: from chapter 02 on a chapter has exactly one open challenge")
+    assert all(i > found[-1][0] for i, _ in challenges), f"{name}: the challenge comes after the last exercise"
     intro = cells[0].source
     assert cells[0].cell_type == "markdown" and re.search(r"Run time: about [\d.]+ (s|min) on a 2-core CPU", intro)
-    for number, stars in found:
+    for _, number, stars in found:
         assert f"**{number} {stars}**" in intro, f"{name}: the first cell must list exercise {number} as {stars}"
 
 
@@ -383,15 +460,13 @@ def test_exercise_cells_only_define_the_names_chapter_8_loads():
 
 @pytest.mark.slow
 def test_00_1_a_float_is_not_a_byte_count(model_loaded_once):
-    assert "a byte count is an int" in caught(NB00, "0.1", kv_bytes_per_token=lambda config, dtype_bytes: float(
-        config.kv_cache_bytes_per_token(dtype_bytes)))
+    assert "a byte count is an int" in caught(NB00, "0.1", kv_bytes_per_token=mutated(
+        NB00, "0.1", "kv_bytes_per_token", ("* dtype_bytes\n", "* dtype_bytes / 1\n"), header="LlamaConfig = object\n"))
 
 
 @pytest.mark.slow
 def test_00_2_recomputing_without_a_cache_and_tensor_tokens_are_caught(model_loaded_once):
     """Found by a learner's walkthrough: both gave the right token values, so comparing values alone passed them."""
-    import minillm
-
     model = model_loaded_once[0]
 
     def no_cache(prompt_ids, max_new_tokens, eos_token_id):
@@ -406,7 +481,258 @@ def test_00_2_recomputing_without_a_cache_and_tensor_tokens_are_caught(model_loa
         return out
 
     def tensors(prompt_ids, max_new_tokens, eos_token_id):
-        return [torch.tensor(t) for t in minillm.generate(model, prompt_ids, max_new_tokens, eos_token_id=eos_token_id)]
+        return [torch.tensor(t) for t in _greedy(model, prompt_ids, max_new_tokens, eos_token_id)]
 
     assert "with a KV cache the prompt goes in once" in caught(NB00, "0.2", greedy_decode=no_cache)
     assert "return a list of Python ints" in caught(NB00, "0.2", greedy_decode=tensors)
+
+
+# -- an answer that calls the package's own part fails every check (issue 24) ------------------------------------------
+_DELEGATING = {  # exercise -> (the names to swap in, a learner's cell that hands the work to minillm's own part)
+    "0.1": ("kv_bytes_per_token", """
+def kv_bytes_per_token(config, dtype_bytes):
+    return config.kv_cache_bytes_per_token(dtype_bytes)
+"""),
+    "0.2": ("greedy_decode", """
+import minillm
+from minillm import generate
+
+
+def greedy_decode(prompt_ids, max_new_tokens, eos_token_id):
+    return generate(minillm.load_model()[0], prompt_ids, max_new_tokens, eos_token_id=eos_token_id)
+"""),
+    "1.1": ("rectangular_causal_mask", """
+from minillm.attention.reference import causal_mask
+
+
+def rectangular_causal_mask(query_len, ctx_len):
+    return causal_mask(query_len, ctx_len)
+"""),
+    "1.2": ("chunk_attention", """
+from minillm.attention.reference import reference_attention
+
+
+def chunk_attention(q, k, v, ctx_len):
+    return reference_attention(q, k, v, ctx_len)
+"""),
+    "1.3": ("merge_states", "from minillm.attention.reference import merge_attn_states as merge_states"),
+    "1.4": ("chunked_layer_forward", """
+import torch
+from minillm.attention.contiguous import ContiguousKVCache
+
+
+def chunked_layer_forward(layer, positions, hidden, chunk_sizes):
+    a = layer.self_attn
+    cache = ContiguousKVCache(a.layer_idx + 1, a.num_kv_heads, a.head_dim, capacity=hidden.shape[0])
+    out, start = [], 0
+    with torch.inference_mode():
+        for n in chunk_sizes:
+            out.append(layer(positions[start:start + n], hidden[start:start + n], cache))
+            start += n
+    return torch.cat(out)
+"""),
+    "2.1": ("my_slot_mapping", """
+from minillm.attention.paged import compute_slot_mapping
+
+
+def my_slot_mapping(block_ids, start, end, block_size):
+    return compute_slot_mapping(block_ids, start, end, block_size)
+"""),
+    "2.2": ("my_allocate_slots", "from minillm.core.kv_cache_manager import allocate_new_blocks as my_allocate_slots"),
+    "2.3": ("my_block_hashes", """
+from minillm.core import hash_request_tokens
+
+
+def my_block_hashes(token_ids, block_size):
+    return hash_request_tokens(token_ids, block_size)
+"""),
+    "2.4": ("my_num_cached_tokens", """
+from minillm.core.kv_cache_manager import num_cached_prefix_tokens
+
+
+def my_num_cached_tokens(block_hashes, num_tokens, block_size, cached_hashes):
+    return num_cached_prefix_tokens(block_hashes, num_tokens, block_size, cached_hashes)
+"""),
+    "2.5": ("my_free", """
+def my_free(pool, req_blocks):
+    pool.free_blocks(reversed(req_blocks))
+"""),
+    "C2": ("free_out_of_window", """
+from minillm.exercises.challenges.ch02 import free_out_of_window as _theirs
+
+
+def free_out_of_window(pool, req_blocks, num_computed_tokens, sliding_window, block_size):
+    _theirs(pool, req_blocks, num_computed_tokens, sliding_window, block_size)
+"""),
+}
+
+
+def _delegating(number: str) -> dict:
+    """The learner's names for exercise ``number``, from a cell run in a namespace of its own (as a notebook's)."""
+    name, source = _DELEGATING[number]
+    ns: dict = {}
+    exec(compile(source, f"<delegating {number}>", "exec"), ns)  # noqa: S102
+    return {name: ns[name]}
+
+
+@pytest.mark.parametrize("number", ["1.1", "1.2", "1.3", "2.1", "2.2", "2.3", "2.4", "2.5", "C2"])
+def test_a_delegating_answer_fails_the_check(number):
+    nb = NB01 if number.startswith("1") else NB02
+    message = caught(nb, number, **_delegating(number))
+    assert DELEGATED in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("number", ["0.1", "0.2", "1.4"])
+def test_a_delegating_answer_fails_the_check_with_the_model(model_loaded_once, number):
+    message = caught(NB00 if number.startswith("0") else NB01, number, **_delegating(number))
+    assert DELEGATED in message, message
+
+
+def test_the_exercise_notebooks_do_not_import_what_they_ask_for():
+    for name, forbidden in [(NB01, ("causal_mask", "reference_attention", "merge_attn_states")),
+                            (NB02, ("compute_slot_mapping", "hash_request_tokens", "num_cached_prefix_tokens"))]:
+        setup = next(c.source for c in nbformat.read(ROOT / "exercises" / name, as_version=4).cells
+                     if c.cell_type == "code")
+        for fn in forbidden:
+            assert fn not in setup, f"exercises/{name}: the set-up cell imports {fn}, which an exercise asks for"
+
+
+# -- diagnoses named (issue 24) ----------------------------------------------------------------------------------------
+def _attention_with(q, k, v, ctx_len, *, softmax_dim=-1, scale_by_d=False):
+    n, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / (head_dim if scale_by_d else math.sqrt(head_dim))
+    scores = scores.masked_fill(~causal_mask(n, ctx_len), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=softmax_dim), v)
+
+
+@pytest.mark.parametrize("mistake, why", [
+    (dict(softmax_dim=1), "takes the softmax over the queries"),
+    (dict(softmax_dim=0), "takes the softmax over the heads"),
+    (dict(scale_by_d=True), "scales the scores by 1/head_dim"),
+], ids=["softmax_over_queries", "softmax_over_heads", "scale_1_over_d"])
+def test_01_2_softmax_dimension_and_scale_are_named(mistake, why):
+    assert why in caught(NB01, "1.2", chunk_attention=lambda q, k, v, ctx_len: _attention_with(q, k, v, ctx_len,
+                                                                                                **mistake))
+
+
+def _layer_with_a_bug(layer, positions, hidden, chunk_sizes, *, bug):
+    attn = layer.self_attn
+    keys, values, outputs, start = [], [], [], 0
+    with torch.inference_mode():
+        for n in chunk_sizes:
+            x = hidden[start:start + n]
+            q, k, v = attn.qkv(positions[start:start + n], x if bug == "no_input_norm" else layer.input_layernorm(x))
+            keys.append(k)
+            values.append(v)
+            o = attn.o_proj(reference_attention(q, torch.cat(keys), torch.cat(values), ctx_len=start).reshape(n, -1))
+            h = o if bug == "no_residual" else x + o
+            outputs.append(h + layer.mlp(layer.post_attention_layernorm(x if bug == "mlp_on_x" else h)))
+            start += n
+    return torch.cat(outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug, why", [
+    ("no_residual", "leaves out the residual around the attention"),
+    ("mlp_on_x", "applies the MLP to the layer's input x"),
+    ("no_input_norm", "skips the input norm"),
+])
+def test_01_4_a_bug_inside_the_layer_is_not_blamed_on_the_positions(model_loaded_once, bug, why):
+    """Found by the issue: these fail from row 0, where no chunking can matter, and were told to check the rotary
+    positions of the chunk."""
+    message = caught(NB01, "1.4", chunked_layer_forward=lambda layer, positions, hidden, chunk_sizes:
+                     _layer_with_a_bug(layer, positions, hidden, chunk_sizes, bug=bug))
+    assert "the mistake is inside the layer" in message and why in message, message
+    assert "rotated" not in message, message
+
+
+@pytest.mark.slow
+def test_01_4_running_the_whole_layer_at_once_is_caught(model_loaded_once):
+    """The full prefill with an attention object of the learner's own: right numbers, but no chunking at all."""
+
+    class AllAtOnce:
+        def forward(self, layer_idx, q, k, v):
+            return reference_attention(q, k, v, ctx_len=0)
+
+    def whole_layer(layer, positions, hidden, chunk_sizes):
+        with torch.inference_mode():
+            return layer(positions, hidden, AllAtOnce())
+
+    message = caught(NB01, "1.4", chunked_layer_forward=whole_layer)
+    assert "runs the layer over all" in message and "at once" in message, message
+
+
+def test_02_1_a_list_is_named_as_a_list():
+    """Found by the issue: a list of the right slots printed two equal lists and 'it differs'."""
+    message = caught(NB02, "2.1", my_slot_mapping=lambda block_ids, start, end, block_size: [
+        block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)])
+    assert "returned a list, not a torch.Tensor" in message and "are right" in message, message
+
+
+def test_02_4_capping_tokens_instead_of_blocks_is_named():
+    """Found by the issue: min(hits * block_size, num_tokens - 1) got only 'it differs'."""
+    def wrong(block_hashes, num_tokens, block_size, cached_hashes):
+        n = 0
+        for h in block_hashes:
+            if h not in cached_hashes:
+                break
+            n += 1
+        return min(n * block_size, num_tokens - 1)
+
+    message = caught(NB02, "2.4", my_num_cached_tokens=wrong)
+    assert "caps the tokens at num_tokens - 1 = 11 instead of capping the blocks" in message, message
+
+
+# -- challenge 2: sliding-window freeing ------------------------------------------------------------------------------
+def test_challenge_2_check_accepts_the_solution():
+    assert run_challenge(NB02, "C2") is None
+
+
+def _window_free(pool, req_blocks, num_computed_tokens, sliding_window, block_size, *, too_wide=False,
+                 remove=False, head_first=False, stop_at_null=True):
+    start = max(0, num_computed_tokens - sliding_window + (0 if too_wide else 1))
+    num_out = min(start // block_size, len(req_blocks))
+    order = range(num_out) if head_first else range(num_out - 1, -1, -1)
+    freed = []
+    for i in order:
+        if req_blocks[i].is_null and stop_at_null:
+            if head_first:
+                continue
+            break
+        freed.append(req_blocks[i])
+        req_blocks[i] = pool.null_block
+    if remove:
+        del req_blocks[:num_out]
+    pool.free_blocks(freed)
+
+
+@pytest.mark.parametrize("mistake, why", [
+    (dict(too_wide=True), "is the window one token too wide?"),
+    (dict(remove=True), "must not remove it from the table: put pool.null_block"),
+    (dict(head_first=True), "frees head first"),
+    (dict(stop_at_null=False), "a second call met the blocks an earlier call replaced by the null block"),
+], ids=["window_off_by_one", "removes_blocks", "head_first", "frees_the_null_block"])
+def test_challenge_2_mistakes(mistake, why):
+    message = caught(NB02, "C2", free_out_of_window=lambda pool, req_blocks, nct, window, bs: _window_free(
+        pool, req_blocks, nct, window, bs, **mistake))
+    assert why in message, message
+
+
+def test_challenge_2_shared_blocks_stay_out_of_the_free_queue():
+    def ignores_refs(pool, req_blocks, num_computed_tokens, sliding_window, block_size):
+        num_out = min(max(0, num_computed_tokens - sliding_window + 1) // block_size, len(req_blocks))
+        freed = []
+        for i in range(num_out - 1, -1, -1):
+            if req_blocks[i].is_null:
+                break
+            freed.append(req_blocks[i])
+            req_blocks[i] = pool.null_block
+        for b in freed:
+            b.ref_cnt = 0
+        pool.free_block_queue.prepend_n([b for b in freed if b.block_hash is None])
+        pool.free_block_queue.append_n([b for b in freed if b.block_hash is not None])
+
+    assert "puts blocks that B still holds into the free queue" in caught(NB02, "C2", free_out_of_window=ignores_refs)

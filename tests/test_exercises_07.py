@@ -73,6 +73,8 @@ def zigzag_split(num_tokens, world_size):
 
 def late_remainder_split(num_tokens, world_size):
     """The T mod 2R longer pieces last instead of first."""
+    if num_tokens < 2 * world_size:
+        raise ValueError("fewer tokens than pieces")
     n = 2 * world_size
     base, extra = divmod(num_tokens, n)
     sizes = [base + (i >= n - extra) for i in range(n)]

@@ -197,15 +197,20 @@ WRONG_COUNTS = {
                               "the last one too", "would schedule no token"),
     "no local hit subtracted": (_guarded(lambda a, t, p, c: min(a, t - 1)),
                                 "instead of from the local hit", "Subtract num_computed_tokens"),
-    "negative": (_guarded(lambda a, t, p, c: min(a, t - 1) - c), "it is negative", "max(..., 0)"),
+    "negative": (_guarded(lambda a, t, p, c: min(a, t - 1) - c), "it is negative", "un-compute cached tokens"),
     "None becomes 0": (lambda a, t, p, c: max(min(a or 0, t - 1) - c, 0), "'not known yet' into 'nothing to load'",
                        "recomputing everything"),
     "prompt length instead of num_tokens": (_guarded(lambda a, t, p, c: max(min(a, p - 1) - c, 0)),
-                                            "not num_prompt_tokens - 1"),
+                                            "Use request.num_tokens, not num_prompt_tokens"),
     "the last available token held back": (_guarded(lambda a, t, p, c: max(a - 1 - c, 0)),
                                            "it holds back the last *prompt* token", "or available - 1"),
     "available ignored": (_guarded(lambda a, t, p, c: max(t - 1 - c, 0) if a else 0),
                           "ignores how much is available"),
+    # Issue 24: this one got only "returned (11, False), expected (0, False)" at the probe of a prompt never saved.
+    "available ignored, even when nothing was saved": (
+        _guarded(lambda a, t, p, c: max(t - 1 - c, 0)), "never saved (0 available), 8 cached locally",
+        "returned (11, False), expected (0, False): it ignores how much is available: only 0 prompt tokens",
+        "never saved this prompt"),
 }
 
 
@@ -223,8 +228,10 @@ def test_9_2_wrong_counts_are_named(mistake):
 def test_9_2_async_load_is_named():
     class AsyncConnector(SharedStorageConnector):
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            n, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
-            return n, True
+            available = self._num_available_tokens(request)
+            if available is None:
+                return None, True
+            return max(min(available, request.num_tokens - 1) - num_computed_tokens, 0), True
 
     _assert_caught(run_check(SOLUTION, "9.2", MyConnector=AsyncConnector), "load_async=True", "synchronously")
 
@@ -233,3 +240,56 @@ def test_9_2_a_crash_on_none_is_explained():
     crash = connector(lambda a, t, p, c: max(min(a, t - 1) - c, 0))
     _assert_caught(run_check(SOLUTION, "9.2", MyConnector=crash), "available=None raised TypeError",
                    "Pass None through before any arithmetic")
+
+
+def test_9_2_delegating_with_super_fails():
+    class Delegating(SharedStorageConnector):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    _assert_caught(run_check(SOLUTION, "9.2", MyConnector=Delegating), "Exercise 9.2 asks you to write this yourself",
+                   "PromptKVConnector.get_num_new_matched_tokens")
+
+
+def test_9_2_a_class_that_inherits_the_method_fails():
+    class Inherits(SharedStorageConnector):
+        pass
+
+    _assert_caught(run_check(SOLUTION, "9.2", MyConnector=Inherits), "asks you to write this yourself",
+                   "a method your class inherits")
+
+
+def test_9_2_delegating_through_the_base_class_fails():
+    from minillm.distributed.kv_transfer.prompt_connector import PromptKVConnector
+
+    class Delegating(SharedStorageConnector):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return PromptKVConnector.get_num_new_matched_tokens(self, request, num_computed_tokens)
+
+    _assert_caught(run_check(SOLUTION, "9.2", MyConnector=Delegating), "asks you to write this yourself")
+
+
+def test_9_1_delegating_shards_fail():
+    from minillm.model.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
+
+    def delegating(mlp, tp_rank, tp_size):
+        merged = MergedColumnParallelLinear([mlp.gate_proj, mlp.up_proj], tp_rank, tp_size)
+        gate_w, up_w = torch.split(merged.weight, merged.output_sizes_per_partition)
+        return gate_w, up_w, RowParallelLinear(mlp.down_proj, tp_rank, tp_size).weight
+
+    _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_shards=delegating), "Exercise 9.1 asks you to write this "
+                   "yourself", "MergedColumnParallelLinear.__init__")
+
+
+def test_9_1_delegating_forward_fails():
+    from minillm.model.parallel_layers import RowParallelLinear
+
+    def delegating(x, shards):
+        total = 0
+        for gate_w, up_w, down_w in shards:
+            h = F.silu(x @ gate_w.T) * (x @ up_w.T)
+            total = total + RowParallelLinear(down_w, 0, 1).partial(h)   # the package's row-parallel layer
+        return total
+
+    _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_forward=delegating), "asks you to write this yourself",
+                   "RowParallelLinear.__init__")

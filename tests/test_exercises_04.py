@@ -256,3 +256,18 @@ def test_challenge_4_delegating_answers_fail():
 def test_challenge_4_mistakes(edits, why):
     e = run_challenge(WatermarkScheduler=_challenge_answer(*edits))
     assert isinstance(e, AssertionError) and why in str(e), e
+
+
+@pytest.mark.parametrize("exercise, name, edit, why", [
+    ("4.1", "RunningLoopScheduler", ("step.schedule(request, num_new_tokens, [b.block_id for b in new_blocks])",
+                                     "step.schedule(request, num_new_tokens, new_blocks)"),
+     "recorded r0's blocks as KVCacheBlock objects"),
+    ("4.2", "AdmissionScheduler", ("self.kv_cache_manager.get_block_ids(request.request_id))",
+                                   "self.kv_cache_manager.get_blocks(request.request_id))"),
+     "step.schedule(request, n, block_ids) takes block ids, ints"),
+    ("4.3", "FCFSPreemptionScheduler", ("                return new_blocks\n",
+                                        "                return [b.block_id for b in new_blocks]\n"),
+     "return the list of new KVCacheBlock objects allocate_slots gave"),
+], ids=["4.1_blocks_for_ids", "4.2_blocks_for_ids", "4.3_ids_for_blocks"])
+def test_4_x_type_mistakes_are_named(exercise, name, edit, why):
+    assert why in caught(NB04, exercise, **{name: _scheduler(exercise, name, edit)})

@@ -3,14 +3,20 @@
 Each test runs a solution notebook up to one check cell with a deliberately wrong answer swapped in
 (``tests/exercise_helpers.run_check``) and asserts that the check fails with an ``AssertionError`` whose message
 names the mistake. The wrong answers are the solution's own code with one thing changed (the usual slip), so they
-stay in step with the solutions. A last group checks the course-wide exercise format of these three notebooks (a
-``### Exercise N.M ★`` heading, a folded hint, the exercise, its check) and the names and signatures chapter 8 loads
-from a learner's notebook.
+stay in step with the solutions. An answer that calls the package's own implementation of its part fails with
+"asks you to write this yourself" (``minillm/exercises/tripwire.py``). Challenges 3 (sliding-window attention in
+the paged kernel) and 5 (``allowed_token_ids`` and ``logit_bias``) accept their solutions and name the usual slips.
+A last group checks the course-wide exercise format of chapters 03-05 (a ``### Exercise N.M ★`` heading, a hint in
+two folded steps, the exercise, its check; one open challenge after the last exercise) and the names and signatures
+chapter 8 loads from a learner's notebook.
 """
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
+import itertools
+import os
 import re
 from pathlib import Path
 
@@ -21,10 +27,72 @@ import torch
 from minillm.exercises.build import BEGIN
 from minillm.outputs import PLACEHOLDER_TOKEN_ID
 from minillm.request import RequestStatus
-from tests.exercise_helpers import caught, exercise_source, mutated, run_check
+from tests.exercise_helpers import (_compile_cell, _plain_python, caught, exercise_source, mutated, run_check,
+                                    run_check_with_answer)
 
 ROOT = Path(__file__).resolve().parent.parent
 NB03, NB04, NB05 = "03_triton_prefill_kernel.ipynb", "04_scheduler.ipynb", "05_sampler.ipynb"
+DELEGATES = "asks you to write this yourself"
+
+
+def run_challenge(solution: str, number: int, **replace) -> BaseException | None:
+    """Like ``run_check``, for a chapter's open challenge: runs the code cells up to ``# Check Challenge N`` with
+    ``replace`` swapped in after the ``# Challenge N:`` cell; returns what the check raised (``None``: it passed)."""
+    import matplotlib
+
+    path = ROOT / "solutions" / solution
+    matplotlib.use("Agg")
+    ns: dict = {"__name__": "__main__"}
+    cwd = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "code":
+                continue
+            first = cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
+            code = _compile_cell(_plain_python(cell.source), f"{solution}:challenge {number}")
+            if first.startswith(f"# Check Challenge {number}"):
+                try:
+                    exec(code, ns)  # noqa: S102
+                except BaseException as e:  # noqa: BLE001 - the caller asserts on it
+                    return e
+                return None
+            exec(code, ns)  # noqa: S102
+            if first.startswith(f"# Challenge {number}:"):
+                ns.update(replace)
+        raise LookupError(f"{solution} has no '# Check Challenge {number}' cell")
+    finally:
+        os.chdir(cwd)
+
+
+def challenge_message(solution: str, number: int, **wrong) -> str:
+    e = run_challenge(solution, number, **wrong)
+    assert isinstance(e, AssertionError), f"challenge {number}'s check did not fail with an AssertionError: {e!r}"
+    return str(e)
+
+
+_modules = itertools.count()
+
+
+def mutated_challenge(solution: str, number: int, name: str, *edits: tuple[str, str], header: str = "",
+                      tmp_path: Path | None = None):
+    """``name`` from the solution's ``# Challenge N:`` cell with each ``(old, new)`` edit applied once; with
+    ``tmp_path`` the code is imported from a file (a Triton kernel needs one)."""
+    cells = nbformat.read(ROOT / "solutions" / solution, as_version=4).cells
+    source = next(c.source for c in cells if c.cell_type == "code" and c.source.startswith(f"# Challenge {number}:"))
+    for old, new in edits:
+        assert source.count(old) == 1, f"edit {old!r} does not apply once to challenge {number}"
+        source = source.replace(old, new)
+    if tmp_path is None:
+        ns: dict = {}
+        exec(compile(header + source, f"<wrong challenge {number}>", "exec"), ns)  # noqa: S102
+        return ns[name]
+    path = tmp_path / f"wrong_challenge_{number}_{next(_modules)}.py"
+    path.write_text(header + source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
 
 
 # -- 03 ----------------------------------------------------------------------------------------------------------------
@@ -116,6 +184,100 @@ def test_03_checks_accept_the_solutions_and_draw_both_kernels(monkeypatch):
     assert all(t[0].startswith("reference kernel") and t[1].endswith("same as the reference") for t in titles)
 
 
+def test_3_1_delegating_and_mistyped_answers_are_named():
+    from kernels import attention_stages
+
+    delegate = lambda m, l, acc, s, v: attention_stages.online_softmax_step(m, l, acc, s, v)  # noqa: E731
+    assert DELEGATES in caught(NB03, "3.1", my_online_softmax_step=delegate)
+    as_list = lambda m, l, acc, s, v: list(_step(m, l, acc, s, v))  # noqa: E731
+    assert "return the tuple (m', l', acc') of three tensors" in caught(NB03, "3.1", my_online_softmax_step=as_list)
+    as_double = lambda m, l, acc, s, v: tuple(x.double() for x in _step(m, l, acc, s, v))  # noqa: E731
+    assert "are float32, like the state you were given" in caught(NB03, "3.1", my_online_softmax_step=as_double)
+
+
+@pytest.mark.slow
+def test_3_2_a_kernel_or_launcher_of_the_package_fails(tmp_path):
+    """The guard of my_attention_contiguous rebinds, in the notebook, the names that hold a package kernel: the
+    answer ``my_contiguous_kernel = _contiguous_kernel`` fails (checked under TRITON_INTERPRET=1, as on the CPU)."""
+    from kernels import attention_stages
+
+    assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+    assert DELEGATES in caught(NB03, "3.2", my_contiguous_kernel=attention_stages._contiguous_kernel)
+    assert DELEGATES in caught(NB03, "3.2", my_attention_contiguous=lambda q, k, v, block_m=16, tile_size=16:
+                               attention_stages.attention_contiguous(q, k, v, block_m, tile_size))
+    source = exercise_source(NB03, "3.2")
+    answer = (source.split("@triton.jit")[0]   # the exercise's first lines, then the alias the issue names
+              + "from kernels.attention_stages import _contiguous_kernel\n\nmy_contiguous_kernel = _contiguous_kernel\n"
+              + "\n\ndef my_attention_contiguous" + source.split("def my_attention_contiguous")[1])
+    assert DELEGATES in str(run_check_with_answer(NB03, "3.2", answer))
+
+
+@pytest.mark.slow
+def test_3_2_a_tile_that_does_not_move_is_named(tmp_path):
+    """Found by a learner: forgetting ``start +`` was told to rescale l_i and acc, while the access picture showed
+    only rows 0-15 read. The check now names the tile that never moves."""
+    kernel = mutated(NB03, "3.2", "my_contiguous_kernel",
+                     ("j = start + tl.arange(0, TILE_SIZE)", "j = tl.arange(0, TILE_SIZE)"),
+                     header=TRITON_HEADER, tmp_path=tmp_path)
+    why = caught(NB03, "3.2", my_contiguous_kernel=kernel)
+    assert "every iteration loads the first tile again" in why and "j = start + tl.arange(0, TILE_SIZE)" in why
+    assert "Rescale l_i and acc" not in why
+
+
+@pytest.mark.slow
+def test_3_3_a_lookup_of_the_package_fails(tmp_path):
+    from kernels import attention_stages
+
+    assert DELEGATES in caught(NB03, "3.3", my_kv_row_offsets=attention_stages.kv_row_offsets)
+    # a helper of one's own that calls the package's lookup inside the kernel
+    inner = mutated(NB03, "3.3", "my_kv_row_offsets",
+                    ("    blk = tl.load(block_ids_ptr + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)\n"
+                     "    return blk * stride_blk + (j % BLOCK_SIZE) * stride_slot\n",
+                     "    return _st.kv_row_offsets(block_ids_ptr, j, j_ok, BLOCK_SIZE, stride_blk, stride_slot)\n"),
+                    header=TRITON_HEADER + "import kernels.attention_stages as _st\n", tmp_path=tmp_path)
+    assert DELEGATES in caught(NB03, "3.3", my_kv_row_offsets=inner)
+
+
+def test_03_the_given_paged_kernel_does_not_print_3_2s_loop():
+    """The exercise notebook builds my_paged_kernel from the package's kernel and prints only the lines that
+    differ; 3.2's loop (the online-softmax update) is not on the page."""
+    for folder in ("solutions", "exercises"):
+        cells = nbformat.read(ROOT / folder / NB03, as_version=4).cells
+        given = next(c for c in cells if c.get("id") == "20dd5cdc").source
+        assert "tl.exp" not in given and "alpha" not in given and "tl.dot" not in given
+        assert "exec(compile(given_paged_source" in given
+    shown = [line for c in nbformat.read(ROOT / "solutions" / NB03, as_version=4).cells
+             if c.get("id") == "20dd5cdc" for o in c.outputs for line in o.get("text", "").splitlines()]
+    assert shown and not any("tl.exp" in line or "alpha" in line for line in shown)
+
+
+# -- challenge 3 --------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_challenge_3_accepts_the_solution_and_fails_a_delegating_answer():
+    from minillm.exercises.challenges import ch03
+
+    assert run_challenge(NB03, 3) is None
+    delegate = (lambda q, key_cache, value_cache, block_ids, seq_len, window, block_m=16, tile_size=16:
+                ch03.paged_window_attention(q, key_cache, value_cache, block_ids, seq_len, window))
+    assert "Challenge 3 asks you to write this yourself" in challenge_message(
+        NB03, 3, my_paged_window_attention=delegate)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edits, why", [
+    ([(" & (q_abs[:, None] - j[None, :] < window)", "")], "your kernel ignores the window"),
+    ([("(q_abs[:, None] - j[None, :] < window)", "(q_abs[:, None] - j[None, :] <= window)")],
+     "yours sees one more"),
+    ([("range((first_key // TILE_SIZE) * TILE_SIZE, kv_end, TILE_SIZE)", "range(0, kv_end, TILE_SIZE)")],
+     "tiles wholly before their first row's window"),
+    ([("ref = tl.where(m_new == float(\"-inf\"), 0.0, m_new)     # a row that has seen nothing yet", "ref = m_new")],
+     "your output holds NaN"),
+], ids=["window_ignored", "window_plus_one", "no_tile_pruning", "nan_on_a_fully_masked_tile"])
+def test_challenge_3_mistakes(tmp_path, edits, why):
+    wrong = mutated_challenge(NB03, 3, "my_paged_window_attention", *edits, header=TRITON_HEADER, tmp_path=tmp_path)
+    assert why in challenge_message(NB03, 3, my_paged_window_attention=wrong)
+
+
 # -- 05 ----------------------------------------------------------------------------------------------------------------
 def test_05_checks_accept_the_solutions():
     for exercise in ("5.1", "5.2", "5.3", "5.4"):
@@ -139,10 +301,21 @@ TOPK = "from minillm.request import Request, RequestStatus\nimport torch\n"
      "top-p applies to what top-k kept, renormalised"),
     ([("    return out\n", "    return out.log_softmax(-1)\n")], "the kept logits must be returned unchanged"),
     ([("    out = logits.clone()", "    out = logits")], "top_k_top_p_mask changed its input"),
+    # found by a learner: probabilities were told "top-k with k = 3 keeps 3 of the 4 tokens"
+    ([("    return out\n", "    return out.softmax(-1)\n")], "you returned probabilities"),
+    ([("    return out\n", "    return torch.where(torch.isinf(out), torch.zeros_like(out), out)\n")],
+     "you masked with 0, not -inf"),
+    ([("    return out\n", "    return out.tolist()\n")], "returns a torch.Tensor (the masked logits), yours returned a list"),
+    ([("    return out\n", "    return out.double()\n")], "keeps the dtype of logits (torch.float32); yours is torch.float64"),
 ], ids=["drops_crossing_token", "k_minus_1", "k_zero_masks_all", "top_p_not_renormalised",
-        "log_probs_returned", "in_place"])
+        "log_probs_returned", "in_place", "probabilities", "zero_mask", "a_list", "float64"])
 def test_5_1_top_k_top_p_mistakes(edits, why):
     assert why in caught(NB05, "5.1", top_k_top_p_mask=mutated(NB05, "5.1", "top_k_top_p_mask", *edits, header=TOPK))
+
+
+def test_5_1_probabilities_are_not_blamed_on_top_k():
+    probs = mutated(NB05, "5.1", "top_k_top_p_mask", ("    return out\n", "    return out.softmax(-1)\n"), header=TOPK)
+    assert "top-k with k = 3 keeps 3 of the 4 tokens" not in caught(NB05, "5.1", top_k_top_p_mask=probs)
 
 
 ASSEMBLE = "import torch\nfrom minillm.outputs import PLACEHOLDER_TOKEN_ID\n"
@@ -164,6 +337,23 @@ ASSEMBLE = "import torch\nfrom minillm.outputs import PLACEHOLDER_TOKEN_ID\n"
 def test_5_2_assemble_output_mistakes(edits, why):
     assert why in caught(NB05, "5.2", assemble_output=mutated(NB05, "5.2", "assemble_output", *edits,
                                                               header=ASSEMBLE))
+
+
+def test_5_2_the_probe_does_not_agree_when_it_differs(capsys):
+    """Found by a learner: the probe printed "The probe agrees with the reference." for an answer that was none of
+    the known mistakes, and the failure came only later, from the random cases, without a cause."""
+    shifted = mutated(NB05, "5.2", "assemble_output",
+                      ("        out[i, j] = recovered[i][j] if j < len(drafts) else bonus[i]\n",
+                       "        out[i, j] = recovered[i][j] if j < len(drafts) else drafts[-1] if drafts else bonus[i]\n"),
+                      header=ASSEMBLE)
+    why = caught(NB05, "5.2", assemble_output=shifted)
+    assert "Read each row as" in why
+    assert "The probe agrees with the reference." not in capsys.readouterr().out
+
+
+def test_5_2_a_list_is_named_as_a_type_mistake():
+    as_list = mutated(NB05, "5.2", "assemble_output", ("    return out\n", "    return out.tolist()\n"), header=ASSEMBLE)
+    assert "sampled_token_ids is a torch.Tensor" in caught(NB05, "5.2", assemble_output=as_list)
 
 
 STOP = "from minillm.request import Request, RequestStatus\n"
@@ -198,16 +388,27 @@ def test_5_3_check_stop_mistakes(edits, why):
 
 
 def test_5_3_stop_token_before_eos_is_named():
-    def stop_ids_first(request, max_model_len):
-        params, last = request.sampling_params, request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens and last in params.stop_token_ids:
-            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, last
-            return True
-        from minillm.core.sched.utils import check_stop
-
-        return check_stop(request, max_model_len)
-
+    eos_rule = ("    if not params.ignore_eos and last == request.eos_token_id:\n"
+                "        request.status = RequestStatus.FINISHED_STOPPED\n"
+                "        return True\n")
+    stop_rule = ("    if last in params.stop_token_ids:\n"
+                 "        request.status = RequestStatus.FINISHED_STOPPED\n"
+                 "        request.stop_reason = last\n"
+                 "        return True\n")
+    stop_ids_first = mutated(NB05, "5.3", "my_check_stop", (eos_rule + stop_rule, stop_rule + eos_rule), header=STOP)
     assert "EOS is tested before stop_token_ids" in caught(NB05, "5.3", my_check_stop=stop_ids_first)
+
+
+def test_5_3_a_result_that_is_not_a_bool_or_a_status_is_named():
+    returns_none = mutated(NB05, "5.3", "my_check_stop", ("    return False\n    ### END", "    return None\n    ### END"),
+                           header=STOP)
+    assert "my_check_stop returns a bool" in caught(NB05, "5.3", my_check_stop=returns_none)
+    status_string = mutated(NB05, "5.3", "my_check_stop",
+                            ("        request.status = RequestStatus.FINISHED_STOPPED\n        return True\n"
+                             "    if last in",
+                             "        request.status = 'FINISHED_STOPPED'\n        return True\n    if last in"),
+                            header=STOP)
+    assert "request.status is a RequestStatus" in caught(NB05, "5.3", my_check_stop=status_string)
 
 
 _BEGIN = "        begin = max(0, len(output_text) - new_char_count - len(s) + 1)\n"
@@ -229,45 +430,140 @@ def test_5_4_minus_zero_slice_is_named():
     def minus_zero(output_text, new_char_count, stop, include_in_output):
         tail = output_text[-new_char_count:]             # the whole text when new_char_count == 0
         start = len(output_text) - len(tail)
-        hits = [(tail.find(s) + start, s) for s in stop if s in tail]
+        hits = [(output_text.find(s, max(start - len(s) + 1, 0)), s) for s in stop]
+        hits = [(i, s) for i, s in hits if i != -1]
         if not hits:
-            from minillm.engine.detokenizer import check_stop_strings
-
-            return check_stop_strings(output_text, new_char_count, stop, include_in_output)
-        i, s = min(hits)
+            return None
+        i, s = min(hits, key=lambda h: h[0])
         return s, (i + len(s) if include_in_output else i)
 
     assert "text[-0:] is the whole text" in caught(NB05, "5.4", find_stop_string=minus_zero)
 
 
+def test_5_4_a_list_is_not_the_tuple():
+    as_list = mutated(NB05, "5.4", "find_stop_string",
+                      ("    return s, (i + len(s) if include_in_output else i)\n",
+                       "    return [s, (i + len(s) if include_in_output else i)]\n"))
+    assert "return a tuple (stop_string, truncate_to) or None" in caught(NB05, "5.4", find_stop_string=as_list)
+
+
+def test_05_delegating_answers_fail():
+    from minillm.core.sched import utils
+    from minillm.engine import detokenizer
+    from minillm.sample import rejection_sampler
+    from minillm.sample.ops import topk_topp
+
+    assert DELEGATES in caught(NB05, "5.1", top_k_top_p_mask=lambda logits, k, p:
+                               topk_topp.apply_top_k_top_p(logits.clone(), k, p))
+    def assemble(draft_token_ids, accepted, recovered, bonus):
+        flat = lambda xs, dtype: torch.tensor([t for x in xs for t in x], dtype=dtype)  # noqa: E731
+        return rejection_sampler.assemble_spec_output(flat(draft_token_ids, torch.long), flat(accepted, torch.bool),
+                                                      flat(recovered, torch.long), torch.tensor(bonus),
+                                                      [len(x) for x in draft_token_ids])
+
+    assert DELEGATES in caught(NB05, "5.2", assemble_output=assemble)
+    assert DELEGATES in caught(NB05, "5.3", my_check_stop=lambda request, max_model_len:
+                               utils.check_stop(request, max_model_len))
+    assert DELEGATES in caught(NB05, "5.4", find_stop_string=lambda output_text, new_char_count, stop, include_in_output:
+                               detokenizer.check_stop_strings(output_text, new_char_count, stop, include_in_output))
+
+
+# -- challenge 5 --------------------------------------------------------------------------------------------------
+def test_challenge_5_accepts_the_solution_and_fails_a_delegating_answer():
+    from minillm.exercises.challenges import ch05
+
+    assert run_challenge(NB05, 5) is None
+    assert "Challenge 5 asks you to write this yourself" in challenge_message(
+        NB05, 5, my_apply_allowed_and_bias=lambda logits, a, b: ch05.apply_allowed_and_bias(logits, a, b))
+
+
+@pytest.mark.parametrize("edits, why", [
+    ([("min(100.0, max(-100.0, b))", "b")], "clamp every bias to [-100, 100]"),
+    ([("            disallowed[list(allowed)] = False\n", "            disallowed[:] = False\n"
+                                                           "            disallowed[list(allowed)] = True\n")],
+     "you masked exactly those"),
+    ([('            out[r, disallowed] = float("-inf")', '            out[r, disallowed] = -1e9')],
+     "very negative but finite logit"),
+    ([("        if any(not 0 <= t < vocab for t in ids):\n", "        if any(t >= vocab for t in ids):\n")],
+     "Token -1 is legal as a PyTorch index"),
+    ([("            out[r, torch.tensor(list(bias))] += values", "            out[:, torch.tensor(list(bias))] += values")],
+     "must come back unchanged"),
+    ([("    out = logits.clone()\n", "    out = logits\n")], "changed its input"),
+], ids=["no_clamp", "allowed_masked", "finite_mask", "negative_id", "bias_on_every_row", "in_place"])
+def test_challenge_5_mistakes(edits, why):
+    wrong = mutated_challenge(NB05, 5, "my_apply_allowed_and_bias", *edits, header="import torch\n")
+    assert why in challenge_message(NB05, 5, my_apply_allowed_and_bias=wrong)
+
+
 # -- the course-wide format --------------------------------------------------------------------------------------------
 _HEADING = re.compile(r"^### Exercise (\d+\.\d+) (★{1,3}) \S")
+# Two folded hints in one cell, each with its English text and then its Chinese **提示 N：** paragraph.
+_BLOCK = r"(?:(?!</details>|<details>).)*"
+_HINT = re.compile(r"^<details><summary>Hint 1: the idea</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
+                   + r"\n\*\*提示 1：\*\* \S" + _BLOCK + r"\n</details>\n"
+                   r"<details><summary>Hint 2: closer to the code</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
+                   + r"\n\*\*提示 2：\*\* \S" + _BLOCK + r"\n</details>$", re.S)
+_CHALLENGE = re.compile(r"^### Challenge (\d+) ★★★ \S.* \(optional, extra credit\)\n")
+_CONTRACT = ("# Keep this first line (chapter 8 and the grader find your answer by it); helpers: here or in new cells "
+             "before the check.")
 
 
 @pytest.mark.parametrize("solution", [NB03, NB04, NB05])
-def test_every_exercise_has_a_star_heading_a_hint_and_a_check(solution):
+def test_every_exercise_has_a_star_heading_a_two_step_hint_and_a_check(solution):
+    chapter = int(solution[:2])
     for folder in ("solutions", "exercises"):
         nb = nbformat.read(ROOT / folder / solution, as_version=4)
         assert re.search(r"Run time: about \d+ (s|min) on a 2-core CPU", nb.cells[0].source), (
             f"{folder}/{solution}: the first cell must say how long the notebook runs")
-        numbers = []
+        numbers, challenges, last_check = [], [], None
         for i, cell in enumerate(nb.cells):
             first = cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
-            m = re.match(r"# Exercise (\d+\.\d+):", first)
+            m = re.match(r"# (Exercise (\d+\.\d+)|Challenge (\d+)):", first)
             if cell.cell_type != "code" or not m:
                 continue
-            number = m.group(1)
-            numbers.append(number)
             hint, heading = nb.cells[i - 1], nb.cells[i - 2]
-            assert hint.cell_type == "markdown" and re.fullmatch(
-                r"<details><summary>Hint</summary>.+</details>", hint.source.strip(), re.S), (
-                f"{folder}/{solution}: exercise {number} must follow a folded hint cell")
+            assert hint.cell_type == "markdown" and _HINT.match(hint.source.strip()), (
+                f"{folder}/{solution}: {m.group(1)} must follow a hint cell of two <details> blocks ('Hint 1: the "
+                f"idea', 'Hint 2: closer to the code'), got {hint.source[:80]!r}")
+            assert cell.source.splitlines()[1] == _CONTRACT, f"{folder}/{solution}: {m.group(1)} lacks the contract"
+            if m.group(3):
+                number = m.group(3)
+                h = _CHALLENGE.match(heading.source) if heading.cell_type == "markdown" else None
+                assert h and h.group(1) == number and f"**挑战 {number} ★★★" in heading.source, (
+                    f"{folder}/{solution}: challenge {number} needs a '### Challenge {number} ★★★ title (optional, "
+                    f"extra credit)' cell with its Chinese statement")
+                assert "vllm/" in heading.source, f"{solution}: challenge {number} must cite vLLM's file:function"
+                check = nb.cells[i + 1].source
+                assert check.startswith(f"# Check Challenge {number}")
+                assert f"from minillm.exercises.challenges.ch{int(number):02d} import" in check
+                assert f'guard("C{number}"' in check
+                challenges.append((i, number))
+                continue
+            number = m.group(2)
+            numbers.append(number)
             heading_match = _HEADING.match(heading.source)
             assert heading.cell_type == "markdown" and heading_match and heading_match.group(1) == number, (
                 f"{folder}/{solution}: exercise {number} needs a '### Exercise {number} ★ title' cell before its hint")
             assert nb.cells[i + 1].source.startswith(f"# Check Exercise {number}")
+            last_check = i + 1
         assert numbers == {NB03: ["3.1", "3.2", "3.3"], NB04: ["4.1", "4.2", "4.3"],
                            NB05: ["5.1", "5.2", "5.3", "5.4"]}[solution]
+        assert [n for _, n in challenges] == [str(chapter)], f"{folder}/{solution}: one open challenge, number {chapter}"
+        assert challenges[0][0] > last_check, f"{folder}/{solution}: the challenge comes after the last exercise"
+
+
+def test_the_set_up_cells_import_no_reference():
+    """The exercise notebooks' set-up cells stop importing what the exercises ask for: each check imports its
+    reference inside its own cell, after the exercise."""
+    asked = {NB03: ["online_softmax_step", "_contiguous_kernel", "attention_contiguous", "_paged_one_seq_kernel",
+                    "kv_row_offsets"],
+             NB05: ["apply_top_k_top_p", "assemble_spec_output", "check_stop", "check_stop_strings"]}
+    for solution, names in asked.items():
+        cells = nbformat.read(ROOT / "exercises" / solution, as_version=4).cells
+        first_exercise = next(i for i, c in enumerate(cells) if c.source.startswith("# Exercise "))
+        before = "\n".join(c.source for c in cells[:first_exercise] if c.cell_type == "code")
+        for name in names:
+            assert not re.search(rf"\b{name}\b", before), f"{solution}'s set-up imports {name}"
 
 
 @pytest.mark.parametrize("solution", [NB03, NB04, NB05])

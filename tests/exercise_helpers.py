@@ -13,6 +13,7 @@ import importlib.util
 import itertools
 import linecache
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,17 @@ def run_check(solution: str | Path, exercise: str, **replace: Any) -> BaseExcept
     return _run_check(solution, exercise, None, replace)
 
 
-def run_check_with_answer(solution: str | Path, exercise: str, answer: str) -> BaseException | None:
+def run_check_with_answer(solution: str | Path, exercise: str, answer: str,
+                          setup_only: bool = False) -> BaseException | None:
     """:func:`run_check` with the exercise's cell replaced by ``answer`` (a cell's source), as a learner hands it
-    in. Returns what the check cell raised, or ``None``."""
-    return _run_check(solution, exercise, answer, {})
+    in. ``exercise`` is "N.M", or "N" for chapter N's challenge. With ``setup_only``, of the cells before the
+    exercise only the set-up cells run (``# Environment set-up`` first line): for a challenge at the end of a long
+    notebook. Returns what the check cell raised, or ``None``."""
+    return _run_check(solution, exercise, answer, {}, setup_only)
 
 
-def _run_check(solution: str | Path, exercise: str, answer: str | None,
-               replace: dict[str, Any]) -> BaseException | None:
+def _run_check(solution: str | Path, exercise: str, answer: str | None, replace: dict[str, Any],
+               setup_only: bool = False) -> BaseException | None:
     path = Path(solution)
     if not path.is_absolute() and not path.exists():
         path = ROOT / "solutions" / path
@@ -59,13 +63,14 @@ def _run_check(solution: str | Path, exercise: str, answer: str | None,
     ns: dict[str, Any] = {"__name__": "__main__"}
     cwd = os.getcwd()
     os.chdir(path.parent)  # as Jupyter runs a notebook: relative paths from its own folder
+    kind = "Exercise" if "." in exercise else "Challenge"  # "2.1", or "2" for chapter 2's challenge
     try:
         seen_exercise = False
         for cell in nb.cells:
             if cell.cell_type != "code":
                 continue
             first = cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
-            is_check = first.startswith((f"# Check Exercise {exercise}", f"# Check Challenge {exercise}"))
+            is_check = re.match(rf"# Check {kind} {re.escape(exercise)}(?=$|[\s,])", first) is not None
             if is_check:
                 if not seen_exercise:
                     raise LookupError(f"{path.name}: the check of exercise {exercise} comes before its exercise cell")
@@ -74,8 +79,10 @@ def _run_check(solution: str | Path, exercise: str, answer: str | None,
                 except BaseException as e:  # noqa: BLE001 - the caller asserts on it
                     return e
                 return None
-            is_exercise = first.startswith(f"# Exercise {exercise}:") or first.startswith(f"# Challenge {exercise}:")
+            is_exercise = first.startswith(f"# {kind} {exercise}:")
             source = answer if is_exercise and answer is not None else cell.source
+            if setup_only and not seen_exercise and not is_exercise and not first.startswith("# Environment set-up"):
+                continue
             exec(_compile_cell(_plain_python(source), f"{path.name}:cell"), ns)  # noqa: S102
             if is_exercise:
                 seen_exercise = True

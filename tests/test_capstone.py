@@ -7,6 +7,7 @@ import re
 import functools
 from pathlib import Path
 
+import nbformat
 import pytest
 import torch
 
@@ -140,8 +141,6 @@ def _learner_folder(tmp_path: Path, exercise: str) -> Path:
     (tests/delegating_answers.py), as a learner would hand it in."""
     import shutil
 
-    import nbformat
-
     for nb_path in (ROOT / "solutions").glob("*.ipynb"):
         shutil.copy(nb_path, tmp_path / nb_path.name)
     path = tmp_path / NOTEBOOK[exercise.split(".")[0]]
@@ -182,3 +181,76 @@ def test_a_scheduler_that_inherits_a_method_it_must_write_fails_before_the_engin
     parts = dataclasses.replace(solved_parts(), scheduler_cls=type("LearnerScheduler", bases, {}))
     with pytest.raises(AssertionError, match=r"Exercise 4\.2 asks you to write this yourself"):
         check_capstone(parts, None, None, run_engine)
+
+
+# -- challenge 8: bad words ---------------------------------------------------------------------------------------------
+_BAD_WORDS_TITLE = ("# Challenge 8: set to -inf, in place, the logit of every token that would complete one of a "
+                    "request's bad words\n")
+_SINGLE_TOKEN_SLIP = _BAD_WORDS_TITLE + """
+def my_apply_bad_words(logits, bad_words_token_ids, past_tokens_ids):
+    for row, words in bad_words_token_ids.items():
+        past = list(past_tokens_ids[row])
+        for word in words:
+            if past[-(len(word) - 1):] == word[:-1]:
+                logits[row, word[-1]] = float("-inf")
+"""
+_ANYWHERE_SLIP = _BAD_WORDS_TITLE + """
+def my_apply_bad_words(logits, bad_words_token_ids, past_tokens_ids):
+    for row, words in bad_words_token_ids.items():
+        for word in words:
+            if all(t in past_tokens_ids[row] for t in word[:-1]):
+                logits[row, word[-1]] = float("-inf")
+"""
+_NEW_TENSOR = _BAD_WORDS_TITLE + """
+def my_apply_bad_words(logits, bad_words_token_ids, past_tokens_ids):
+    logits = logits.clone()
+    for row, words in bad_words_token_ids.items():
+        for word in words:
+            if len(word) == 1 or list(past_tokens_ids[row])[-(len(word) - 1):] == word[:-1]:
+                logits[row, word[-1]] = float("-inf")
+    return logits
+"""
+_DELEGATING = _BAD_WORDS_TITLE + """
+from minillm.exercises.challenges.ch08 import apply_bad_words as my_apply_bad_words
+"""
+
+
+def _cell(start: str) -> str:
+    nb = nbformat.read(ROOT / "solutions" / "08_capstone.ipynb", as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(start))
+
+
+@pytest.fixture(scope="module")
+def chapter_8_setup() -> dict:
+    """The namespace of chapter 8's set-up cell (the model loaded once for the challenge's checks)."""
+    ns: dict = {"__name__": "__main__"}
+    setup = "\n".join(line for line in _cell("# Environment set-up").splitlines() if not line.startswith("%"))
+    exec(setup, ns)  # noqa: S102
+    return ns
+
+
+def _challenge_8_check(setup: dict, answer: str) -> BaseException | None:
+    ns = dict(setup)
+    exec(answer, ns)  # noqa: S102
+    try:
+        exec(_cell("# Check Challenge 8"), ns)  # noqa: S102
+    except AssertionError as e:
+        return e
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answer, why", [
+    (_SINGLE_TOKEN_SLIP, "past[-0:] is the whole list"),
+    (_ANYWHERE_SLIP, "compare the LAST len(word) - 1 outputs"),
+    (_NEW_TENSOR, "returned a new tensor and left logits unchanged"),
+    (_DELEGATING, "Challenge 8 asks you to write this yourself"),
+], ids=["one_token_word", "prefix_anywhere", "not_in_place", "delegating"])
+def test_challenge_8_catches_the_usual_slips_and_a_delegating_answer(chapter_8_setup, answer, why):
+    error = _challenge_8_check(chapter_8_setup, answer)
+    assert isinstance(error, AssertionError) and why in str(error), repr(error)
+
+
+@pytest.mark.slow
+def test_challenge_8_accepts_the_solution(chapter_8_setup):
+    assert _challenge_8_check(chapter_8_setup, _cell("# Challenge 8:")) is None

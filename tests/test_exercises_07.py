@@ -306,3 +306,76 @@ def test_stub_fails_with_not_implemented(exercise):
     names = ["zigzag_positions", "restore_order"] if exercise == "7.1" else ["ring_attention_step"]
     e = run_check(SOLUTION, exercise, **{n: stub for n in names})
     assert isinstance(e, NotImplementedError), repr(e)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Challenge 7: the striped split
+
+
+def _striped(num_tokens, world_size, interleave=1, rank_of=None, clip=True, merge_runs=False):
+    """A striped split with the chosen slips (all defaults: the right answer)."""
+    from minillm.distributed.splits import ContextSplit, Piece
+
+    if world_size < 1 or interleave < 1 or num_tokens <= (world_size - 1) * interleave:
+        raise ValueError("no token for a rank")
+    rank_of = rank_of or (lambda k, start: k % world_size)
+    pieces = [[] for _ in range(world_size)]
+    for k, start in enumerate(range(0, num_tokens, interleave)):
+        end = min(start + interleave, num_tokens) if clip else start + interleave
+        r = rank_of(k, start)
+        if merge_runs and pieces[r] and pieces[r][-1].end == start:
+            pieces[r][-1] = Piece(pieces[r][-1].start, end)
+        else:
+            pieces[r].append(Piece(start, end))
+    return ContextSplit(num_tokens, world_size, "striped", tuple(tuple(p) for p in pieces))
+
+
+def test_challenge_7_solution_passes():
+    assert run_check(SOLUTION, "7") is None
+
+
+def test_challenge_7_the_test_split_is_right():
+    assert run_check(SOLUTION, "7", striped_split=_striped) is None
+
+
+def test_challenge_7_delegating_answer_fails():
+    from minillm.exercises.challenges import ch07
+
+    _assert_caught(run_check(SOLUTION, "7", striped_split=lambda t, r, s=1: ch07.striped_split(t, r, s)),
+                   "Challenge 7 asks you to write this yourself", "striped_split")
+
+
+def test_challenge_7_position_modulo_ranks_is_named():
+    def by_position(num_tokens, world_size, interleave=1):   # the run's start, not its index, dealt round-robin
+        return _striped(num_tokens, world_size, interleave, rank_of=lambda k, start: start % world_size)
+
+    _assert_caught(run_check(SOLUTION, "7", striped_split=by_position), "on rank", "run's index")
+
+
+def test_challenge_7_unclipped_last_run_is_named():
+    _assert_caught(run_check(SOLUTION, "7", striped_split=partial(_striped, clip=False)), "outside 0 .. 6",
+                   "The last run stops at the prompt's end")
+
+
+def test_challenge_7_merged_runs_are_named():
+    _assert_caught(run_check(SOLUTION, "7", striped_split=partial(_striped, merge_runs=True)),
+                   "one Piece per run of interleave positions")
+
+
+def test_challenge_7_permutation_instead_of_its_inverse_is_named():
+    def held_not_restored(num_tokens, world_size, interleave=1):
+        split = _striped(num_tokens, world_size, interleave)
+        return torch.cat([split.positions(r) for r in range(world_size)])
+
+    _assert_caught(run_check(SOLUTION, "7", striped_restore_order=held_not_restored), "the position each row holds",
+                   "the inverse")
+
+
+def test_challenge_7_too_strict_value_error_is_named():
+    def strict(num_tokens, world_size, interleave=1):
+        if num_tokens < world_size * interleave:
+            raise ValueError("fewer tokens than runs")
+        return _striped(num_tokens, world_size, interleave)
+
+    _assert_caught(run_check(SOLUTION, "7", striped_split=strict), "striped_split(5, 3, 2) raised ValueError",
+                   "every rank holds a token")

@@ -468,6 +468,28 @@ def test_05_delegating_answers_fail():
                                detokenizer.check_stop_strings(output_text, new_char_count, stop, include_in_output))
 
 
+def test_lesson_05_folds_the_answers_of_5_2_and_5_3():
+    """Lesson 05 shows assemble_spec_output and check_stop with their bodies left out, traces what they do, and
+    keeps the full listings folded after a line inviting the learner to solve the exercise first; the folded
+    listings are the package's current source."""
+    from minillm.core.sched.utils import check_stop
+    from minillm.sample.rejection_sampler import assemble_spec_output
+
+    cells = nbformat.read(ROOT / "notebooks" / NB05, as_version=4).cells
+    code = "\n".join(c.source for c in cells if c.cell_type == "code")
+    assert "show_source(assemble_spec_output)\n" not in code + "\n" and "show_source(check_stop)\n" not in code + "\n"
+    shown = "\n".join(str(o.get("data", o.get("text", ""))) for c in cells if c.cell_type == "code" for o in c.outputs)
+    for fn, exercise in ((assemble_spec_output, "5.2"), (check_stop, "5.3")):
+        body = inspect.getsource(fn).rstrip("\n")
+        folded = [c.source for c in cells if c.cell_type == "markdown"
+                  and f"<summary>Solution of exercise {exercise} (solve it first)</summary>" in c.source]
+        assert len(folded) == 1 and f"Solve exercise {exercise} before you unfold" in folded[0]
+        assert folded[0].index("<details>") > folded[0].index(f"Solve exercise {exercise}")
+        assert "```python\n" + body + "\n```" in folded[0], f"the folded listing of {fn.__name__} is out of date"
+        last_line = body.splitlines()[-2].strip()    # a body line an unfolded listing would show
+        assert last_line not in shown.replace("&quot;", '"'), f"{fn.__name__}'s body is printed in an output"
+
+
 # -- challenge 5 --------------------------------------------------------------------------------------------------
 def test_challenge_5_accepts_the_solution_and_fails_a_delegating_answer():
     from minillm.exercises.challenges import ch05

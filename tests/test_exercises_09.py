@@ -293,3 +293,73 @@ def test_9_1_delegating_forward_fails():
 
     _assert_caught(run_check(SOLUTION, "9.1", my_tp_mlp_forward=delegating), "asks you to write this yourself",
                    "RowParallelLinear.__init__")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Challenge 9: a connector that transfers only the blocks the decode engine lacks
+
+
+def _challenge_cell(*edits: tuple[str, str]) -> str:
+    """The solution's Challenge 9 cell with each ``(old, new)`` edit applied once: a learner's wrong answer."""
+    import nbformat
+
+    from tests.exercise_helpers import ROOT
+
+    nb = nbformat.read(ROOT / "solutions" / SOLUTION, as_version=4)
+    source = next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith("# Challenge 9:"))
+    for old, new in edits:
+        assert source.count(old) == 1, f"edit {old!r} does not apply once"
+        source = source.replace(old, new)
+    return source
+
+
+def _challenge(*edits: tuple[str, str]) -> BaseException | None:
+    from tests.exercise_helpers import run_check_with_answer
+
+    return run_check_with_answer(SOLUTION, "9", _challenge_cell(*edits), setup_only=True)
+
+
+@pytest.mark.slow
+def test_challenge_9_solution_passes():
+    assert _challenge() is None
+
+
+def test_challenge_9_delegating_answer_fails():
+    e = _challenge(("class MyDeltaConnector(SharedStorageConnector):",
+                    "from minillm.exercises.challenges import ch09\n\n\nclass MyDeltaConnector(SharedStorageConnector):"),
+                   ("        ### BEGIN SOLUTION\n        final = self._dir(save.key)",
+                    "        return ch09.DeltaStorageConnector._store(self, save, kv)\n        ### BEGIN SOLUTION\n"
+                    "        final = self._dir(save.key)"))
+    _assert_caught(e, "Challenge 9 asks you to write this yourself", "DeltaStorageConnector._store")
+
+
+def test_challenge_9_an_inherited_method_fails():
+    source = _challenge_cell()
+    start = source.index("    def _fetch(")
+    end = source.index("    def get_num_new_matched_tokens(")
+    from tests.exercise_helpers import run_check_with_answer
+
+    e = run_check_with_answer(SOLUTION, "9", source[:start] + source[end:], setup_only=True)
+    _assert_caught(e, "inherits _fetch from SharedStorageConnector")
+
+
+def test_challenge_9_saving_the_whole_prompt_is_named():
+    e = _challenge(("        start = min(hit, end)", "        start = 0"))
+    _assert_caught(e, "saved positions 0 ...", "the decode engine holds positions 0 ... 23 already")
+
+
+def test_challenge_9_saving_the_last_token_is_named():
+    e = _challenge(("        end = save.end - 1 ", "        end = save.end "))
+    _assert_caught(e, "computes the last prompt token, position 23, itself")
+
+
+def test_challenge_9_fetch_without_the_offset_is_named():
+    e = _challenge(("        return torch.cat([before, kv], dim=2)", "        return kv"))
+    _assert_caught(e, "_fetch after the _store of a prompt of 37 tokens whose first 24", "start_load_kv needs",
+                   ">= 36")
+
+
+def test_challenge_9_a_count_over_a_gap_is_named():
+    e = _challenge(("        if meta is None or num_computed_tokens < int(meta.get(\"start\", 0)):",
+                    "        if meta is None:"))
+    _assert_caught(e, "the local hit ends before the saved range begins", "neither in this engine's cache nor saved")

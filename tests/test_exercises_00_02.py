@@ -736,3 +736,43 @@ def test_challenge_2_shared_blocks_stay_out_of_the_free_queue():
         pool.free_block_queue.append_n([b for b in freed if b.block_hash is not None])
 
     assert "puts blocks that B still holds into the free queue" in caught(NB02, "C2", free_out_of_window=ignores_refs)
+
+
+# -- no answer on the page before its exercise (issue 24) --------------------------------------------------------------
+ANSWERS = {  # what exercises 0.1-2.5 ask for, as the package has it
+    "0.1": "kv_cache_bytes_per_token", "0.2": "generate_tokens", "1.1": "causal_mask",
+    "1.2": "reference_attention", "1.3": "merge_attn_states", "2.1": "compute_slot_mapping",
+    "2.2": "allocate_new_blocks", "2.3": "hash_request_tokens", "2.4": "num_cached_prefix_tokens",
+    "2.5": "free_request_blocks",
+}
+
+
+@pytest.mark.parametrize("name", ["00_welcome.ipynb", "01_attention_and_chunks.ipynb", "02_paged_kv_cache.ipynb"])
+def test_the_lessons_show_no_answer_whole(name):
+    """No lesson of 00-02 prints the source of an exercise's function (show_source), or a listing of it."""
+    for folder in ("notebooks", "exercises"):
+        path = ROOT / folder / (name if folder == "notebooks" else
+                                {"00_welcome.ipynb": "00_warmup.ipynb"}.get(name, name))
+        for cell in nbformat.read(path, as_version=4).cells:
+            for number, fn in ANSWERS.items():
+                assert not re.search(rf"show_source\([\w.]*\b{fn}\b", cell.source), (
+                    f"{folder}/{path.name} shows the source of {fn}, exercise {number}'s answer")
+                assert f"def {fn}(" not in cell.source, f"{folder}/{path.name} lists {fn}, exercise {number}'s answer"
+
+
+def test_lesson_02_folds_the_block_count_of_allocate_slots_and_keeps_it_current():
+    """The hit branch of KVCacheManager.allocate_slots counts blocks as exercise 2.2 does: the lesson leaves those
+    lines out of the listing and folds them after the walk-through, as they are in the package."""
+    import inspect
+    import textwrap
+
+    from minillm.core import KVCacheManager
+
+    cells = {c.get("id"): c for c in nbformat.read(ROOT / "notebooks" / "02_paged_kv_cache.ipynb", as_version=4).cells}
+    assert cells["dc5570a2"].source.startswith("elide_source(KVCacheManager.allocate_slots,")
+    walk = cells["ab2d6b7b"].source
+    folded = walk.split("<details><summary>Solution of exercise 2.2")[1].split("```python\n")[1].split("```")[0]
+    lines = inspect.getsource(KVCacheManager.allocate_slots).splitlines()
+    first = next(i for i, line in enumerate(lines) if "num_new_blocks = max(0, cdiv(" in line)
+    assert textwrap.dedent("\n".join(lines[first:first + 5])) + "\n" == folded
+    assert walk.index("Solve exercise 2.2 first") < walk.index("<details>")

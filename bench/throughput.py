@@ -2,9 +2,11 @@
 
 Run from the repository root::
 
-    python bench/throughput.py                       # the issue's workload: 32 requests, prompts 30-400 tokens
+    python bench/throughput.py                       # the issue's workload: 32 requests, prompts 30-400 tokens,
+                                                     # at --dtype auto: bf16 where the CPU has AMX-BF16/AVX512-BF16
+                                                     # (peers alike), else fp32; it prints which and why
+    python bench/throughput.py --dtype float32       # the lessons' dtype, whatever the CPU
     python bench/throughput.py --peers minillm,roofline --num-requests 8
-    python bench/throughput.py --dtype auto          # bf16 where the CPU has AMX-BF16/AVX512-BF16, peers alike
     LLAMA_CPP_BIN=.../build/bin python bench/throughput.py   # adds llama.cpp (minillm/benchmarks/llama_cpp.py)
 
 Everything lives in :mod:`minillm.benchmarks.throughput` (also ``python -m minillm bench``).

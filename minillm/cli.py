@@ -5,6 +5,9 @@
 - ``bench``: the offline throughput benchmark (minillm vs transformers vs the roofline, see ``bench/throughput.py``).
 - ``serve``: an OpenAI-compatible HTTP server (``minillm.entrypoints.openai.api_server``).
 
+``bench`` and ``serve`` run at ``--dtype auto`` unless told otherwise (bf16 on a CPU with AMX-BF16 or AVX512-BF16,
+else fp32) and print the dtype and why at start-up; ``generate`` and ``chat`` run ``LLM()``'s fp32, like the lessons.
+
 vLLM counterpart: ``vllm/entrypoints/cli/`` (``vllm serve``, ``vllm chat``, ``vllm bench``; ``vllm generate`` does not
 exist there, ``LLM.generate`` is its Python twin).
 """

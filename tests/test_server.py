@@ -1,7 +1,8 @@
 """The OpenAI-compatible server on the real model, called with the real ``openai`` client.
 
 One server per module: ``python -m minillm.entrypoints.openai.api_server`` on a free loopback port, SmolLM2 with
-``max_model_len=512``. Every generation is greedy and short. Checked: models, completions, chat ("Paris"),
+``max_model_len=512`` and ``--dtype float32`` (the server's default is ``auto``, bf16 on some CPUs; the answers
+checked here are fp32's). Every generation is greedy and short. Checked: models, completions, chat ("Paris"),
 streaming (deltas joined == the non-streamed text), 16 concurrent streaming clients (each equal to its own
 non-streamed answer, and batched together), ``max_completion_tokens`` vs ``max_tokens`` vs the room left (as in vLLM
 v0.33.0: a limit above ``max_model_len`` is a 400, one above the room left is lowered to it), usage counts, clients
@@ -52,7 +53,7 @@ def server():
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "minillm.entrypoints.openai.api_server", "--port", str(port),
-           "--max-model-len", str(MAX_MODEL_LEN), "--uvicorn-log-level", "warning"]
+           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--uvicorn-log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     http = httpx.Client(base_url=base, timeout=120)
@@ -454,8 +455,10 @@ def test_the_openai_client_sees_the_error_fields(server, client):
 
 def test_the_serve_subcommand_parses_engine_arguments():
     """``add_serve_subparser`` (what ``python -m minillm serve`` uses): loopback by default, every EngineArgs
-    field as an option, unset options left to EngineArgs' defaults."""
+    field as an option, unset options left to EngineArgs' defaults but ``--dtype``, which is ``auto``."""
     import argparse
+
+    import torch
 
     from minillm.engine.arg_utils import EngineArgs
     from minillm.entrypoints.openai.api_server import add_serve_subparser, engine_args_from_cli, run_server
@@ -467,7 +470,9 @@ def test_the_serve_subcommand_parses_engine_arguments():
     assert args.command == "serve" and args.func is run_server
     assert args.host == "127.0.0.1" and args.port == 9001
     engine_args = engine_args_from_cli(args)
-    assert engine_args == EngineArgs(max_model_len=256, enable_prefix_caching=False, block_size=8)
+    assert engine_args == EngineArgs(max_model_len=256, enable_prefix_caching=False, block_size=8, dtype="auto")
+    fp32 = engine_args_from_cli(parser.parse_args(["serve", "--dtype", "float32"]))
+    assert fp32 == EngineArgs(dtype="float32") and fp32.resolved_dtype() == torch.float32
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--max-model-len", "lots"])
 

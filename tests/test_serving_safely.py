@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from minillm.entrypoints.openai.api_server import BackgroundServer
+from minillm.platforms.cpu import preferred_cpu_dtype
 from tests.net_helpers import free_port
 from tests.test_async_llm import FakeEngine, expected_text
 
@@ -343,6 +344,8 @@ def test_a_signal_with_requests_in_flight_exits_0_within_5_s(tiny_checkpoint, si
     print(f"\n{signal.Signals(sig).name}: exit {code} after {took:.2f} s")
     assert code == 0 and took < 5, (code, took, output[-3000:])
     assert "Traceback" not in output, output[-3000:]
+    # No --dtype: the server ran at auto, what this CPU's flags pick (both picks: tests/test_serving_dtype.py).
+    assert f"minillm: dtype {preferred_cpu_dtype()}" in output.splitlines(), output[-3000:]
     assert events[-1] == "data: [DONE]" and '"request_aborted"' in events[-2], events[-2:]
     assert isinstance(got["full"], httpx.Response) and got["full"].status_code == 503, got["full"]
 

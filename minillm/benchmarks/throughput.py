@@ -16,10 +16,10 @@ produce exactly the same tokens. Measured, in one run:
   30 layers, causal attention, the LM head only on the rows that are sampled), divided by the matmul throughput
   measured on this machine in the same run, in the same dtype. No engine can beat it without skipping work.
 
-Every system runs at one precision, ``--dtype``: ``float32`` (the default, the lessons' dtype), ``bfloat16``, or
-``auto``, what this CPU is built for (:func:`minillm.platforms.cpu.preferred_cpu_dtype`: bf16 with AMX-BF16 or
-AVX512-BF16, several times fp32's matmul speed there; fp32 elsewhere, where bf16 is emulated). The report names
-the dtype, why it was chosen, and PyTorch's CPU capability.
+Every system runs at one precision, ``--dtype``: ``auto`` (the default), what this CPU is built for
+(:func:`minillm.platforms.cpu.preferred_cpu_dtype`: bf16 with AMX-BF16 or AVX512-BF16, several times fp32's matmul
+speed there; fp32 elsewhere, where bf16 is emulated), ``float32`` (the lessons' dtype) or ``bfloat16``. The dtype and
+why it was chosen are printed at start-up; the report names them and PyTorch's CPU capability.
 
 Throughput is *useful* output tokens per second: the tokens each request asked for, ``sum(output_lens)``, over the
 wall time; padding and tokens generated past a request's length do not count. Ratios between systems measured in
@@ -43,6 +43,7 @@ import torch
 
 from minillm.analysis.flops import layer_flops, lm_head_flops
 from minillm.config import LlamaConfig
+from minillm.platforms.dtype import SERVING_DTYPE, resolve_dtype
 
 OUTPUT_LENS = (8, 16, 32, 64, 96)
 PEERS = ("minillm", "minillm-ngram", "hf-padded", "hf-batch", "llama.cpp", "roofline")
@@ -277,14 +278,14 @@ def load_hf_model(progress: bool = False, dtype: torch.dtype = torch.float32) ->
 
 def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any = None, tokenizer: Any = None,
                   hf_model: Any = None, engine_args: dict[str, Any] | None = None, matmul_seconds: float = 2.0,
-                  log: Any = None, repeat: int = 1, dtype: str | torch.dtype | None = None,
+                  log: Any = None, repeat: int = 1, dtype: str | torch.dtype | None = SERVING_DTYPE,
                   llama_cpp_bin: str | None = None) -> dict[str, Any]:
     """Run the chosen peers on ``workload``; return tokens/s of each, the ratios and the greedy comparison.
 
-    Every system runs at one precision: ``dtype`` (as ``EngineArgs.dtype`` takes it: ``None`` is fp32, ``"auto"``
-    what this CPU is built for) when ``model`` is not given, else the given model's dtype. transformers is loaded in
-    it, and the roofline's matmuls are measured in it. The ``llama.cpp`` peer is skipped (``report["skipped"]``
-    says why) when :func:`~minillm.benchmarks.llama_cpp.find_llama_cpp` finds no build.
+    Every system runs at one precision: ``dtype`` (as ``EngineArgs.dtype`` takes it; default ``"auto"``, what this
+    CPU is built for; ``None`` or ``"float32"``: fp32) when ``model`` is not given, else the given model's dtype.
+    transformers is loaded in it, and the roofline's matmuls are measured in it. The ``llama.cpp`` peer is skipped
+    (``report["skipped"]`` says why) when :func:`~minillm.benchmarks.llama_cpp.find_llama_cpp` finds no build.
 
     With ``repeat > 1`` the systems run in interleaved rounds (A, B, C, A, B, C, ...) and each keeps its fastest
     round: on a shared machine, load from other processes only ever slows a run down, so the best round is the
@@ -296,7 +297,6 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
     if unknown:
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {PEERS}")
     say = log or (lambda *a: None)
-    from minillm.platforms.dtype import resolve_dtype
     from minillm.platforms.cpu import cpu_capability, native_bf16
 
     choice = resolve_dtype(dtype if model is None else model.dtype, "cpu")
@@ -377,9 +377,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32",
-                        help="the precision of every system and of the roofline's matmuls (default float32, the "
-                             "lessons' dtype; auto: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, else float32)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=SERVING_DTYPE,
+                        help=f"the precision of every system and of the roofline's matmuls (default {SERVING_DTYPE}: "
+                             f"bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, else float32; printed with the reason "
+                             f"at start-up; float32 is the lessons' dtype, EngineArgs' and LLM's default)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved rounds; each system keeps its fastest (default 1)")
     parser.add_argument("--llama-cpp-bin", type=str, default=None,
@@ -401,9 +402,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     engine_args = {"block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_num_seqs": args.max_num_seqs}
     peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
-    from minillm.platforms.dtype import resolve_dtype
-
-    print(f"dtype: {resolve_dtype(args.dtype, 'cpu')}", file=sys.stderr, flush=True)
+    print(f"dtype: {resolve_dtype(args.dtype, 'cpu')}", file=sys.stderr, flush=True)  # before the models load
     report = run_benchmark(workload, peers, engine_args=engine_args, repeat=args.repeat, dtype=args.dtype,
                            llama_cpp_bin=args.llama_cpp_bin, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_report(report))

@@ -11,7 +11,8 @@ the same values over ``ModelConfig``, ``CacheConfig`` and ``SchedulerConfig``. v
 for weights, activations *and* cache); ``kv_cache_memory_fraction`` here is the fraction of the device's free memory
 given to the KV cache alone, which is simpler to reason about on a CPU. vLLM's ``dtype`` defaults to ``"auto"``
 (``vllm/config/model.py:_get_and_verify_dtype``); ours defaults to fp32 on a CPU, what the lessons compare against
-transformers in, and ``"auto"`` (bf16 where the CPU multiplies it natively) is asked for, as ``serve --dtype auto``.
+transformers in, and ``"auto"`` (bf16 where the CPU multiplies it natively) is asked for: ``python -m minillm serve``
+and ``bench`` ask for it unless given ``--dtype``.
 """
 from __future__ import annotations
 
@@ -118,9 +119,10 @@ class EngineArgs:
             ``--kv-transfer-config``), e.g. ``{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}``.
         dtype: weights, activations and KV cache (the cache follows the model, as vLLM's ``kv_cache_dtype="auto"``).
-            ``None`` (default): fp32 on a CPU, exact against transformers' fp32 model, fp16 on a GPU. ``"auto"``: the
-            dtype the machine is built for, bf16 on a CPU with AMX-BF16 or AVX512-BF16, else fp32 (fp16 on a GPU).
-            Or ``"float32"``, ``"bfloat16"``, ``"float16"`` (also ``fp32``, ``bf16``, ``fp16``, ``half``).
+            ``None`` (default, also ``LLM()``'s): fp32 on a CPU, exact against transformers' fp32 model, fp16 on a
+            GPU. ``"auto"`` (the default of ``serve`` and ``bench``): the dtype the machine is built for, bf16 on a
+            CPU with AMX-BF16 or AVX512-BF16, else fp32 (fp16 on a GPU). Or ``"float32"``, ``"bfloat16"``,
+            ``"float16"`` (also ``fp32``, ``bf16``, ``fp16``, ``half``).
         device: ``"cpu"``, ``"cuda"``; ``None``: a GPU if there is one.
         seed: seeds the global generator that unseeded random sampling uses.
     """

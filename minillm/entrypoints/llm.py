@@ -46,7 +46,9 @@ class LLM:
         tokenizer: a tokenizer path, or a tokenizer object when ``model`` is a loaded model.
         **engine_args: any field of :class:`~minillm.engine.arg_utils.EngineArgs` (``block_size``,
             ``num_gpu_blocks``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
-            ``enable_chunked_prefill``, ``enable_prefix_caching``, ``attention_backend``, ...).
+            ``enable_chunked_prefill``, ``enable_prefix_caching``, ``attention_backend``, ...). ``dtype`` defaults
+            to fp32 on a CPU, the lessons' dtype, exact against transformers' fp32 model; ``dtype="auto"`` asks for
+            the machine's (bf16 with AMX-BF16 or AVX512-BF16), which ``python -m minillm serve`` and ``bench`` use.
     """
 
     def __init__(self, model: str | LlamaForCausalLM | None = None, tokenizer: Any = None, **engine_args: Any) -> None:

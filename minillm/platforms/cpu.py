@@ -7,9 +7,10 @@ them. Without those instructions (an AVX2 laptop) bf16 is emulated: converted to
 operation, slower than plain fp32. So ``"auto"`` is bf16 where the CPU says it has AMX-BF16 or AVX512-BF16
 (the ``amx_bf16`` / ``avx512_bf16`` flags of ``/proc/cpuinfo``), fp32 everywhere else.
 
-``"auto"`` is asked for, never the default: the lessons and the tests compare the engine with transformers' fp32
-model token for token and logit for logit (1e-4), which only fp32 gives. :func:`preferred_cpu_dtype` says what it
-chose and why, so ``python -m minillm serve --dtype auto`` and ``bench`` can print it at start-up.
+``"auto"`` is what ``python -m minillm serve`` and ``bench`` run at unless told otherwise (``--dtype float32``),
+and :func:`preferred_cpu_dtype` says what it chose and why, which both print at start-up. It is not the default of
+``EngineArgs()`` or ``LLM()``: the lessons and the tests compare the engine with transformers' fp32 model token for
+token and logit for logit (1e-4), which only fp32 gives.
 
 vLLM counterpart: ``vllm/platforms/cpu.py`` (``CpuPlatform.supported_dtypes``: bf16 first on x86 whatever the flags)
 and ``vllm/config/model.py`` (``_resolve_auto_dtype``: ``"auto"`` takes the checkpoint's dtype and turns an fp32

@@ -1,5 +1,9 @@
 """Which dtype the model, its activations and its KV cache run in: the names ``EngineArgs.dtype`` and
-``load_model`` accept, the default, and ``"auto"``.
+``load_model`` accept, the defaults, and ``"auto"``.
+
+Two defaults, on purpose: ``EngineArgs()`` and ``LLM()`` run fp32 on a CPU, the dtype every lesson and oracle test
+compares against transformers in; ``python -m minillm serve`` and ``bench`` run :data:`SERVING_DTYPE`, ``"auto"``,
+the dtype the machine is built for, and print which and why at start-up (``--dtype float32`` gives them fp32).
 
 vLLM counterpart: ``vllm/config/model.py`` (``_get_and_verify_dtype``, ``_resolve_auto_dtype``).
 """
@@ -9,6 +13,9 @@ import torch
 
 from minillm.platforms.cpu import DtypeChoice, preferred_cpu_dtype
 
+# What ``serve`` and ``bench`` run at unless told otherwise: serving and measuring speed want the machine's dtype.
+SERVING_DTYPE = "auto"
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -16,10 +23,11 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> DtypeChoice:
     """The dtype of weights, activations and KV cache, and why.
 
-    - ``None`` (the default): fp32 on a CPU, the dtype every lesson and test compares against transformers in;
-      fp16 on a GPU.
-    - ``"auto"``: the dtype the machine is built for (vLLM's ``"auto"``): on a CPU bf16 where it has AMX-BF16 or
-      AVX512-BF16, else fp32 (:func:`minillm.platforms.cpu.preferred_cpu_dtype`); fp16 on a GPU.
+    - ``None`` (the default of ``EngineArgs`` and ``LLM``): fp32 on a CPU, the dtype every lesson and test compares
+      against transformers in; fp16 on a GPU.
+    - ``"auto"`` (the default of ``serve`` and ``bench``, :data:`SERVING_DTYPE`): the dtype the machine is built for
+      (vLLM's ``"auto"``): on a CPU bf16 where it has AMX-BF16 or AVX512-BF16, else fp32
+      (:func:`minillm.platforms.cpu.preferred_cpu_dtype`); fp16 on a GPU.
     - a name (``"float32"``, ``"bf16"``, ...) or a floating-point ``torch.dtype``: that dtype.
 
     Raises:

@@ -35,7 +35,10 @@ thread, so a long prompt does not freeze the other clients; SIGTERM or Ctrl-C ab
 exits 0 within seconds (:class:`GracefulServer`); the port and address are checked before the model loads.
 
 Run it with ``python -m minillm serve [--port 8000] [engine args]`` (or ``python -m
-minillm.entrypoints.openai.api_server``), then::
+minillm.entrypoints.openai.api_server``). It serves at ``--dtype auto`` unless told otherwise, bf16 on a CPU with
+AMX-BF16 or AVX512-BF16, else fp32 (``EngineArgs()`` itself keeps fp32, the lessons' dtype), and prints the dtype and
+why at start-up, e.g. ``minillm: dtype bfloat16 (auto: this CPU has AVX512-BF16; torch CPU capability AVX512)``.
+Then::
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
@@ -88,6 +91,7 @@ from minillm.entrypoints.openai.protocol import ChatCompletionRequest, Completio
 from minillm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minillm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from minillm.entrypoints.openai.serving_engine import OpenAIRequestError, error_body, parse_request
+from minillm.platforms.dtype import SERVING_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -385,13 +389,24 @@ def _field_docs(cls: type) -> dict[str, str]:
     return {k: v.replace("``", "").replace("%", "%%") for k, v in docs.items()}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+# The engine arguments whose default differs under `serve` from EngineArgs' own: (value, help).
+SERVE_ENGINE_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "dtype": (SERVING_DTYPE, f"weights, activations and KV cache (the cache follows the model). Default here: "
+                             f"{SERVING_DTYPE}, the dtype this machine is built for: bfloat16 on a CPU with AMX-BF16 "
+                             f"or AVX512-BF16, else float32 (float16 on a GPU); the choice and why are printed at "
+                             f"start-up. float32 is EngineArgs' and LLM's default, exact against transformers' fp32 "
+                             f"model. Or bfloat16, float16 (also fp32, bf16, fp16, half)."),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, defaults: dict[str, tuple[Any, str]] | None = None) -> None:
     """One ``--kebab-case`` option per :class:`~minillm.engine.arg_utils.EngineArgs` field (bools get
     ``--x/--no-x``), with the field's documentation as help. Unset options stay ``None`` so that EngineArgs' own
-    defaults apply."""
+    defaults apply, except those in ``defaults`` (``name: (value, help)``), which default to ``value``."""
     from minillm.engine.arg_utils import EngineArgs
 
     docs = _field_docs(EngineArgs)
+    defaults = defaults or {}
     group = parser.add_argument_group("engine arguments (minillm.engine.arg_utils.EngineArgs)")
     for f in dataclasses.fields(EngineArgs):
         if not f.init:
@@ -402,15 +417,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not dataclasses.MISSING else None
         doc = docs.get(f.name, "")
         help_text = doc if "default" in doc.lower() or "None:" in doc else f"{doc} (default: {default})".strip()
+        value, help_text = defaults.get(f.name, (None, help_text))
         if typ is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=value,
                                help=help_text)
         else:
-            group.add_argument(flag, dest=f.name, type=typ, default=None, help=help_text)
+            group.add_argument(flag, dest=f.name, type=typ, default=value, help=help_text)
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> Any:
-    """The :class:`EngineArgs` of the options given (the rest keep their defaults)."""
+    """The :class:`EngineArgs` of the options given or defaulted by the parser (``--dtype``: ``auto``); the rest
+    keep EngineArgs' defaults."""
     from minillm.engine.arg_utils import EngineArgs
 
     given = {name: getattr(args, name) for name in EngineArgs.field_names() if getattr(args, name, None) is not None}
@@ -436,7 +453,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level (default info: one line per request)")
-    add_engine_args(parser)
+    add_engine_args(parser, SERVE_ENGINE_DEFAULTS)
 
 
 def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:

@@ -29,7 +29,8 @@ def test_strip_solutions_keeps_indentation_and_title():
 
 
 def _check_cells(nb):
-    return [c for c in nb.cells if c.cell_type == "code" and c.source.lstrip().startswith("# Check Exercise")]
+    return [c for c in nb.cells if c.cell_type == "code"
+            and c.source.lstrip().startswith(("# Check Exercise", "# Check Challenge"))]
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
@@ -40,7 +41,7 @@ def test_every_exercise_has_a_check_cell(solution):
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and BEGIN in cell.source:
             title = strip_solutions(cell.source).splitlines()[0]
-            number = title.split(":")[0].replace("#", "").strip()  # "Exercise N.M"
+            number = title.split(":")[0].replace("#", "").strip()  # "Exercise N.M" or "Challenge N"
             following = next((c for c in nb.cells[i + 1:] if c.cell_type == "code"), None)
             assert following is not None and following.source.lstrip().startswith(f"# Check {number}"), (
                 f"{solution.name}: {number} must be followed by a '# Check {number}' cell")

@@ -6,8 +6,12 @@ What is checked, and what the words mean here:
 - **Statement.** The markdown cell headed ``### Exercise N.M ★ title`` (one per ``# Exercise N.M:`` code cell). Its
   Chinese starts at the line beginning ``**练习 N.M ★ `` (the same number and stars as the heading) and runs to the
   end of the cell; everything before that line is the English, with no Chinese character in it.
-- **Hint.** The ``<details><summary>Hint</summary> … </details>`` cell right after the statement. Its Chinese starts
-  at the line beginning ``**提示：**``, inside the block (before ``</details>``), after the English.
+- **Hint.** The cell right after the statement: two folded blocks, ``<details><summary>Hint 1: the idea</summary>
+  … </details>`` then ``<details><summary>Hint 2: closer to the code</summary> … </details>`` (issue 24: the idea
+  first, the code's shape second). Each block's Chinese starts at the line beginning ``**提示 1：**`` (``**提示
+  2：**``), inside the block, after its English.
+- **Challenge.** A chapter's open challenge (``### Challenge N ★★★ title``, its ``# Challenge N:`` cell two cells
+  below) has a Chinese statement from the line beginning ``**挑战 N ★★★ `` and a hint like an exercise's.
 - **Opening.** The cell with the English ``Run time:`` line has a ``**运行时间：**`` line after it with exactly the
   same numbers; the cell with the ``Points:`` line has a ``**分数：**`` line with the same numbers; the notebook has
   one ``**本章内容：**`` line, in its first three cells.
@@ -31,9 +35,11 @@ from tests.chinese_helpers import REPO, chinese_problems, has_chinese, mask_code
 SOLUTIONS = sorted((REPO / "solutions").glob("*.ipynb"))
 FOLDERS = ("solutions", "exercises")
 
-HEADING = re.compile(r"^### Exercise (\d+\.\d+) (★{1,3}) ")
-EXERCISE_CELL = re.compile(r"^# Exercise (\d+\.\d+):")
-HINT_MARK = "**提示：**"
+HEADING = re.compile(r"^### (?:Exercise (\d+\.\d+)|Challenge (\d+)) (★{1,3}) ")
+EXERCISE_CELL = re.compile(r"^# (?:Exercise (\d+\.\d+)|Challenge (\d+)):")
+HINT_SUMMARIES = ("Hint 1: the idea", "Hint 2: closer to the code")
+HINT_MARKS = ("**提示 1：**", "**提示 2：**")
+_DETAILS = re.compile(r"<details><summary>(.*?)</summary>(.*?)</details>", re.S)
 OPENING_ZH = "**本章内容：**"
 RUN_TIME = (re.compile(r"(?:\*\*)?Run time:(?:\*\*)? *[^\n]*"), "**运行时间：**")
 POINTS = (re.compile(r"^Points: *[^\n]*", re.M), "**分数：**")
@@ -89,27 +95,38 @@ def bilingual_problems(english: str, chinese: str, whole: str) -> list[str]:
 
 
 def statement_problems(source: str, number: str, stars: str) -> list[str]:
-    """What is wrong with the Chinese of exercise `number`'s statement cell; [] when it is fine."""
+    """What is wrong with the Chinese of exercise `number`'s statement cell ("2.1"; "C2" for chapter 2's
+    challenge); [] when it is fine."""
+    mark = f"**挑战 {number[1:]} {stars} " if number.startswith("C") else f"**练习 {number} {stars} "
     try:
-        english, chinese = split_at(source, f"**练习 {number} {stars} ")
+        english, chinese = split_at(source, mark)
     except AssertionError as e:
         return [f"no Chinese statement ({e})"]
     return bilingual_problems(english, chinese, source)
 
 
 def hint_problems(source: str) -> list[str]:
-    """What is wrong with the Chinese of a hint cell (``<details>…</details>``); [] when it is fine."""
+    """What is wrong with a hint cell (two ``<details>…</details>`` blocks, each with its Chinese); [] when it is
+    fine."""
     body = source.strip()
     if not body.endswith("</details>"):
         return ["the hint must end with </details>"]
-    body = body[: -len("</details>")]
-    if "</details>" in body:
-        return ["the hint's Chinese must be inside its <details> block"]
-    try:
-        english, chinese = split_at(body, HINT_MARK)
-    except AssertionError as e:
-        return [f"no Chinese hint inside the <details> block ({e})"]
-    return bilingual_problems(english, chinese, source)
+    blocks = _DETAILS.findall(body)
+    if _DETAILS.sub("", body).strip():
+        return ["the hint's text, Chinese included, must be inside its <details> blocks"]
+    summaries = tuple(summary for summary, _ in blocks)
+    if summaries != HINT_SUMMARIES:
+        return [f"a hint is two folded blocks, {HINT_SUMMARIES[0]!r} then {HINT_SUMMARIES[1]!r}; found {summaries}"]
+    problems = []
+    for (summary, text), mark in zip(blocks, HINT_MARKS):
+        try:
+            english, chinese = split_at(text, mark)
+        except AssertionError as e:
+            problems.append(f"{summary}: no Chinese hint inside its <details> block ({e})")
+            continue
+        # the summary is the block's English title: the Chinese mark restates its number
+        problems += [f"{summary}: {p}" for p in bilingual_problems(f"{summary}\n{english}", chinese, text)]
+    return problems
 
 
 def opening_problems(cells: list[str]) -> list[str]:
@@ -133,7 +150,9 @@ def opening_problems(cells: list[str]) -> list[str]:
     first = [s for s in cells[:3] if any(line.startswith(OPENING_ZH) for line in s.splitlines())]
     if len(first) != 1:
         problems.append(f"expected one {OPENING_ZH!r} line in the first three markdown cells, found {len(first)}")
-    for source in {s for s in cells[:3] if has_chinese(s)}:
+    # the opening cells only: a statement or a hint among the first three is checked as such (a two-step hint has
+    # English after Chinese)
+    for source in {s for s in cells[:3] if has_chinese(s) and not HEADING.match(s) and not s.startswith("<details>")}:
         lines = source.splitlines()
         zh_at = [i for i, line in enumerate(lines) if has_chinese(line)]
         english = "\n".join(lines[: zh_at[0]])
@@ -155,16 +174,19 @@ def read(folder: str, name: str) -> list[nbformat.NotebookNode]:
 
 
 def exercises(cells) -> list[tuple[str, str, int, int]]:
-    """(number, stars, statement cell index, hint cell index) of every exercise, from its ``# Exercise N.M:`` cell."""
+    """(number, stars, statement cell index, hint cell index) of every exercise, from its ``# Exercise N.M:`` cell,
+    and of the challenge (number ``"CN"``, from its ``# Challenge N:`` cell)."""
     found = []
     for i, cell in enumerate(cells):
         m = EXERCISE_CELL.match(cell.source.lstrip()) if cell.cell_type == "code" else None
         if m is None:
             continue
+        number = m.group(1) or f"C{m.group(2)}"
         heading = HEADING.match(cells[i - 2].source)
-        assert heading and heading.group(1) == m.group(1), (
-            f"exercise {m.group(1)}: expected its '### Exercise {m.group(1)} ★ title' cell two cells above")
-        found.append((m.group(1), heading.group(2), i - 2, i - 1))
+        found_number = heading and (heading.group(1) or f"C{heading.group(2)}")
+        what = f"Challenge {number[1:]}" if number.startswith("C") else f"Exercise {number}"
+        assert found_number == number, f"{what}: expected its '### {what} ★ title' cell two cells above"
+        found.append((number, heading.group(3), i - 2, i - 1))
     return found
 
 
@@ -209,8 +231,10 @@ GOOD_STATEMENT = (
     "### Exercise 2.1 ★ slot mapping\n\nReturn the slots of positions `start ... end-1`; with blocks of 4, position 5 "
     "is at offset 1.\n\n**练习 2.1 ★ 由块表得到 `slot_mapping`：** 返回位置 `start ... end-1` 的 slot；块大小为 4 "
     "时，位置 5 的偏移是 1。")
-GOOD_HINT = ("<details><summary>Hint</summary>\n\nUse `pos // block_size`: positions 3, 4 are in block 0, 1.\n\n"
-             "**提示：** 用 `pos // block_size`：位置 3、4 分别在块 0、1 里。\n\n</details>")
+GOOD_HINT = ("<details><summary>Hint 1: the idea</summary>\n\nA position's block is its index in the block table.\n\n"
+             "**提示 1：** 一个位置所在的块是它在块表里的下标。\n\n</details>\n"
+             "<details><summary>Hint 2: closer to the code</summary>\n\nUse `pos // block_size`: positions 3, 4 are "
+             "in block 0, 1.\n\n**提示 2：** 用 `pos // block_size`：位置 3、4 分别在块 0、1 里。\n\n</details>")
 GOOD_OPENING = ("# 09 · Exercises\n\n* **9.1 ★★** a split\n\nRun time: about 20 s on a 2-core CPU.\n\n"
                 "Points: 4 (★ = 1, ★★ = 2, ★★★ = 3)\n\n**本章内容：** **9.1 ★★** 一种切分。\n\n"
                 "**运行时间：** 在 2 核 CPU 上约 20 秒。\n\n**分数：** 4（★ = 1，★★ = 2，★★★ = 3）")
@@ -239,14 +263,19 @@ def test_statement_checker_can_fail():
 
 def test_hint_checker_can_fail():
     assert hint_problems(GOOD_HINT) == []
-    english_only = "<details><summary>Hint</summary>\n\nUse `pos // block_size`.\n\n</details>"
-    assert any("no Chinese hint" in p for p in hint_problems(english_only))
-    outside = english_only + "\n\n**提示：** 用 `pos // block_size`。"
+    first, second = GOOD_HINT.split("</details>\n", 1)
+    assert any("two folded blocks" in p for p in hint_problems(second))  # one step only
+    one_block = ("<details><summary>Hint</summary>\n\nUse `pos // block_size`.\n\n**提示：** 用 `pos // block_size`。"
+                 "\n\n</details>")
+    assert any("two folded blocks" in p for p in hint_problems(one_block))  # the old single hint
+    no_chinese = GOOD_HINT.replace("\n\n**提示 2：** 用 `pos // block_size`：位置 3、4 分别在块 0、1 里。", "")
+    assert any("Hint 2: closer to the code: no Chinese hint" in p for p in hint_problems(no_chinese))
+    outside = GOOD_HINT + "\n\n**提示：** 用 `pos // block_size`。"
     assert hint_problems(outside) == ["the hint must end with </details>"]
-    after_block = english_only + "\n\n**提示：** 用 `pos // block_size`。\n\n</details>"
-    assert hint_problems(after_block) == ["the hint's Chinese must be inside its <details> block"]
-    assert hint_problems(GOOD_HINT.replace("块 0、1", "块 0、2")) == [
-        "numbers of the Chinese not in the English beside it: ['2']"]
+    between = first + "</details>\n**提示 1：** 块。\n" + second
+    assert hint_problems(between) == ["the hint's text, Chinese included, must be inside its <details> blocks"]
+    assert hint_problems(GOOD_HINT.replace("块 0、1", "块 0、7")) == [
+        "Hint 2: closer to the code: numbers of the Chinese not in the English beside it: ['7']"]
 
 
 def test_opening_checker_can_fail():
@@ -264,8 +293,9 @@ def test_opening_checker_can_fail():
 def test_exercises_finder_needs_a_heading_two_cells_above():
     md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
     cells = [md("### Exercise 1.1 ★ x"), md("<details><summary>Hint</summary>\n\nh\n\n</details>"),
-             code("# Exercise 1.1: x\n"), code("# Check Exercise 1.1\n")]
-    assert exercises(cells) == [("1.1", "★", 0, 1)]
+             code("# Exercise 1.1: x\n"), code("# Check Exercise 1.1\n"),
+             md("### Challenge 1 ★★★ y"), md("hint"), code("# Challenge 1: y\n"), code("# Check Challenge 1\n")]
+    assert exercises(cells) == [("1.1", "★", 0, 1), ("C1", "★★★", 4, 5)]
     with pytest.raises(AssertionError, match="two cells above"):
         exercises([md("no heading"), *cells[1:]])
 

@@ -60,7 +60,9 @@ BUILDS: dict[str, tuple[str, ...]] = {
             "kernels.attention_stages:_varlen_kernel", "kernels.attention_stages:attention_varlen"),
     "3.3": ("kernels.attention_stages:kv_row_offsets",),
     "4.1": ("minillm.core.sched.scheduler:Scheduler._schedule_running",),
-    "4.2": ("minillm.core.sched.scheduler:Scheduler._schedule_waiting",),
+    "4.2": ("minillm.core.sched.scheduler:Scheduler._schedule_waiting",
+            # challenge 4's watermark scheduler admits as 4.2 does when its watermark is 0
+            "minillm.exercises.challenges.ch04:WatermarkScheduler._schedule_waiting"),
     "4.3": ("minillm.core.sched.scheduler:Scheduler._preempt_request",
             "minillm.core.sched.scheduler:Scheduler._allocate_or_preempt"),
     "5.1": ("minillm.sample.ops.topk_topp:apply_top_k_top_p",),

@@ -9,7 +9,8 @@ block ``i`` still stands for positions ``i * block_size ..`` and the table keeps
 vLLM v0.33.0: ``vllm/v1/core/single_type_kv_cache_manager.py:SlidingWindowManager.get_num_skipped_tokens`` (the
 number of leading tokens no future token attends to) and ``SingleTypeKVCacheManager.remove_skipped_blocks`` with
 ``_remove_blocks_in_range`` (free the blocks made only of those tokens, the last one first, stop at the first null
-block, put ``block_pool.null_block`` in their place). The freeing itself is ``vllm/v1/core/block_pool.py:
+block, put ``block_pool.null_block`` in their place); ``vllm/v1/core/kv_cache_manager.py:KVCacheManager.
+allocate_slots`` calls it at every step, before allocating. The freeing itself is ``vllm/v1/core/block_pool.py:
 BlockPool.free_blocks``, exercise 2.5. minillm's engine has no sliding-window layers, so nothing here is used by it.
 """
 from __future__ import annotations

@@ -115,6 +115,28 @@ def test_7_1_delegating_restore_order_fails():
                    "make_split")
 
 
+def test_7_1_float_positions_are_named_as_a_dtype_mistake():
+    def as_float(num_tokens, world_size):
+        return [p.float() for p in zigzag_split(num_tokens, world_size)]
+
+    _assert_caught(run_check(SOLUTION, "7.1", zigzag_positions=as_float), "dtype torch.float32", "int64")
+
+
+def test_7_1_a_list_restore_order_is_named_as_a_type_mistake():
+    def as_list(num_tokens, world_size):
+        return torch.argsort(torch.cat(zigzag_split(num_tokens, world_size))).tolist()
+
+    _assert_caught(run_check(SOLUTION, "7.1", restore_order=as_list), "returned list", "int64 tensor")
+
+
+def test_7_2_a_float64_state_is_named_as_a_dtype_mistake():
+    def in_double(q, q_pos, k, v, k_pos, out, lse):
+        o, l = _step(q.double(), q_pos, k.double(), v.double(), k_pos, out.double(), lse.double())
+        return o, l
+
+    _assert_caught(run_check(SOLUTION, "7.2", ring_attention_step=in_double), "dtype torch.float64", "fp32 in and out")
+
+
 def test_7_1_remainder_on_the_last_pieces_is_named():
     _assert_caught(run_check(SOLUTION, "7.1", zigzag_positions=late_remainder_split), "longer pieces last",
                    "piece sizes [3, 3, 3, 3, 3, 4]", "the longer pieces come first")

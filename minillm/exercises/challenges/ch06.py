@@ -1,12 +1,14 @@
 """Challenge 6: parallel sampling, ``n`` answers to one prompt that share the prompt's KV blocks.
 
 vLLM v0.33.0 serves ``SamplingParams(n=3)`` by fanning the request out into ``n`` child requests
-(``vllm/v1/engine/parallel_sampling.py:ParentRequest``): child ``index`` gets the id ``f"{index}_{request_id}"``
+(``vllm/v1/engine/llm_engine.py:LLMEngine.add_request``, with ``vllm/v1/engine/parallel_sampling.py:ParentRequest``):
+child ``index`` gets the id ``f"{index}_{request_id}"``
 (``ParentRequest.get_child_info``) and a shallow copy of the parent's sampling parameters with ``n = 1`` and, when
 the parent has a seed, the seed ``seed + index`` (``ParentRequest._get_child_sampling_params``), so the ``n``
 answers differ yet are reproducible. The children are ordinary requests with the same prompt: the scheduler admits
-them one after another, and every child after the first finds the prompt's full blocks in the prefix cache, so the
-prompt is computed once. ``ParentRequest.get_outputs`` gathers the children's final ``CompletionOutput`` s into one
+them one after another, and every child after the first finds the prompt's full blocks in the prefix cache (a
+block is cached as soon as it is allocated, ``vllm/v1/core/kv_cache_manager.py:KVCacheManager.allocate_slots``), so
+the prompt is computed once. ``ParentRequest.get_outputs`` gathers the children's final ``CompletionOutput`` s into one
 list, each at its ``index`` (the non-streaming ``FINAL_ONLY`` case).
 
 minillm's ``SamplingParams`` has no ``n``; here ``n`` is an argument. :func:`parallel_sample` is the reference the

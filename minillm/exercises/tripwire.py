@@ -58,7 +58,7 @@ BUILDS: dict[str, tuple[str, ...]] = {
     "3.2": ("kernels.attention_stages:_contiguous_kernel", "kernels.attention_stages:attention_contiguous",
             "kernels.attention_stages:_paged_one_seq_kernel", "kernels.attention_stages:attention_paged_one_seq",
             "kernels.attention_stages:_varlen_kernel", "kernels.attention_stages:attention_varlen"),
-    "3.3": ("kernels.attention_stages:kv_row_offsets",),
+    "3.3": ("kernels.attention_stages:kv_row_offsets", "kernels.attention_stages:attention_paged_one_seq"),
     "4.1": ("minillm.core.sched.scheduler:Scheduler._schedule_running",),
     "4.2": ("minillm.core.sched.scheduler:Scheduler._schedule_waiting",
             # challenge 4's watermark scheduler admits as 4.2 does when its watermark is 0

@@ -28,12 +28,12 @@ def kv_bytes_per_token(config, dtype_bytes):
     return config.kv_cache_bytes_per_token(dtype_bytes)
 ''',
     "0.2": '''
-import minillm.generate as _generate
+from minillm.generate import generate_tokens
 
 
 @torch.inference_mode()
 def greedy_decode(prompt_ids, max_new_tokens, eos_token_id):
-    return [int(t) for t in _generate.generate_tokens(model, prompt_ids, max_new_tokens, eos_token_id=eos_token_id)]
+    return [int(t) for t in generate_tokens(model, prompt_ids, max_new_tokens, eos_token_id=eos_token_id)]
 ''',
     "1.1": '''
 from minillm.attention.reference import causal_mask

@@ -148,3 +148,19 @@ def test_a_kernel_launch_through_the_packages_kernel_is_tripped():
 def test_unknown_exercises_are_named():
     with pytest.raises(ValueError, match=r"no exercise '7\.9'"):
         targets_of("7.9")
+
+
+def test_a_package_function_captured_in_a_closure_is_tripped_and_put_back():
+    from minillm.attention.paged import compute_slot_mapping
+
+    def make():
+        captured = compute_slot_mapping
+
+        def my_slot_mapping(block_ids, start, end, block_size):
+            return captured(block_ids, start, end, block_size)
+        return my_slot_mapping
+
+    learner = make()
+    with pytest.raises(DelegationError, match=r"Exercise 2\.1"):
+        guard("2.1", learner)([1], 0, 1, 4)
+    assert learner.__closure__[0].cell_contents is compute_slot_mapping

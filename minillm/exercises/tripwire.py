@@ -13,8 +13,9 @@ What is replaced, and where:
 - a method (``minillm.core.sched.scheduler:Scheduler._schedule_waiting``) on its class, so an instance call, a
   ``super()`` call and a call through the base class all meet the tripwire;
 - a function or a Triton kernel (``minillm.attention.paged:compute_slot_mapping``) under every name that holds it:
-  in every ``minillm`` and ``kernels`` module (``from x import f`` copies the name), and in the namespaces of the
-  learner's code (a notebook's globals, where ``from minillm... import f`` or ``my_f = f`` put it).
+  in every ``minillm`` and ``kernels`` module (``from x import f`` copies the name), in the namespaces of the
+  learner's code (a notebook's globals, where ``from minillm... import f`` or ``my_f = f`` put it), and in the
+  closure cells of the learner's functions (``f`` captured from an enclosing function).
 
 The check's own reference calls run outside the guard, so they are never tripped. Everything is put back when the
 learner's call returns or raises. Other parts of the package stay usable: exercise 2.3 may call
@@ -169,6 +170,30 @@ class _Tripwire:
         return f"<tripwire for {self.target} (exercise {self.exercise})>"
 
 
+def _learner_closures(objs: Iterable[Any]) -> list[types.CellType]:
+    """The closure cells of the learner's functions (and of their classes' methods): a package function captured
+    there (``f = compute_slot_mapping`` in an enclosing function) is replaced in the cell."""
+    cells: list[types.CellType] = []
+    todo = [o for o in objs if not isinstance(o, dict)]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, type):
+            todo.extend(v for c in obj.__mro__ if not c.__module__.startswith(_PACKAGES) for v in vars(c).values())
+            continue
+        fn = getattr(getattr(obj, "fn", obj), "__func__", getattr(obj, "fn", obj))
+        if isinstance(fn, types.FunctionType) and not fn.__module__.startswith(_PACKAGES):
+            for cell in fn.__closure__ or ():
+                if cell not in cells:
+                    cells.append(cell)
+                    try:
+                        value = cell.cell_contents
+                    except ValueError:  # an empty cell
+                        continue
+                    if isinstance(value, types.FunctionType) and not value.__module__.startswith(_PACKAGES):
+                        todo.append(value)  # a learner helper captured by another
+    return cells
+
+
 def _learner_namespaces(objs: Iterable[Any]) -> list[dict[str, Any]]:
     """The global namespaces the learner's code reads its names from (a notebook's, for code defined in it)."""
     found: dict[int, dict[str, Any]] = {}
@@ -208,7 +233,8 @@ def building(exercises: str | Iterable[str], *learner: Any) -> Iterator[None]:
     owner_of = {t: n for n in numbers for t in targets_of(n)}  # target -> the exercise that asks for it
     caller = sys._getframe(2).f_globals  # noqa: SLF001 - the check cell's namespace (frame 1 is contextmanager's)
     namespaces = _learner_namespaces([*learner, caller])
-    undo: list[tuple[Any, str, Any]] = []  # (dict or class, name, the value it held)
+    closures = _learner_closures(learner)
+    undo: list[tuple[Any, str, Any]] = []  # (dict, class or closure cell, name, the value it held)
     try:
         packages = [m.__dict__ for name, m in list(sys.modules.items())
                     if name.split(".")[0] in _PACKAGES and isinstance(m, types.ModuleType)]
@@ -226,11 +252,21 @@ def building(exercises: str | Iterable[str], *learner: Any) -> Iterator[None]:
                     if value is original:
                         undo.append((ns, key, original))
                         ns[key] = wire
+            for cell in closures:
+                try:
+                    held = cell.cell_contents
+                except ValueError:
+                    continue
+                if held is original:
+                    undo.append((cell, "", original))
+                    cell.cell_contents = wire
         yield
     finally:
         for where, name, original in reversed(undo):
             if isinstance(where, type):
                 setattr(where, name, original)
+            elif isinstance(where, types.CellType):
+                where.cell_contents = original
             else:
                 where[name] = original
 

@@ -295,8 +295,8 @@ def test_check_62_fails_a_stop_string_finished_as_aborted(shared_model, status):
 
 
 def run_challenge(**replace):
-    """Run solutions/06 up to the check of challenge 6, with ``replace`` swapped in after the challenge's cell;
-    the exception the check raised, or None. The exercises' checks before it are skipped (they are tested above)."""
+    """Run solutions/06's set-up cell, its challenge cell with ``replace`` swapped in after it, and the check of
+    challenge 6; the exception the check raised, or None. (The cells of the exercises are tested above.)"""
     import os
 
     import matplotlib
@@ -314,7 +314,7 @@ def run_challenge(**replace):
             if cell.cell_type != "code":
                 continue
             first = cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
-            if first.startswith("# Check Exercise"):
+            if not first.startswith(("# Environment set-up", "# Challenge 6:", "# Check Challenge 6")):
                 continue
             if first.startswith("# Check Challenge 6"):
                 try:

@@ -52,6 +52,37 @@ def test_4_1_running_loop_mistakes(edits, why):
     assert why in caught(NB04, "4.1", RunningLoopScheduler=_scheduler("4.1", "RunningLoopScheduler", *edits))
 
 
+# Kept wrong answers of 4.2 from a learner's walkthrough: the step records only allocate_slots' new blocks;
+# num_computed_tokens set to the hit before allocate_slots (which adds the hit on top: 10 blocks for 6); the head
+# popped first and put back only when the allocation fails (lost when chunked prefill is off), or put back at the tail.
+NEW_BLOCK_IDS_ONLY = [
+    ("            if self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit, hit_blocks) is None:\n",
+     "            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit, hit_blocks)\n"
+     "            if new_blocks is None:\n"),
+    ("self.kv_cache_manager.get_block_ids(request.request_id))", "[b.block_id for b in new_blocks])")]
+COMPUTED_SET_BEFORE_ALLOCATION = [
+    ("            request.num_computed_tokens = hit\n", ""),
+    ("            if self.kv_cache_manager.allocate_slots(",
+     "            request.num_computed_tokens = hit\n            if self.kv_cache_manager.allocate_slots(")]
+_POP_FIRST = [("request = self.waiting.peek_request()", "request = self.waiting.pop_request()"),
+              ("            self.waiting.pop_request()\n", "")]
+_BACK_ON_ALLOCATION_FAILURE = ("hit, hit_blocks) is None:\n                break\n",
+                               "hit, hit_blocks) is None:\n                self.waiting.prepend_request(request)\n"
+                               "                break\n")
+_BACK_WHEN_UNCHUNKED = ("and num_new_tokens > step.token_budget:\n                break\n",
+                        "and num_new_tokens > step.token_budget:\n                self.waiting.prepend_request(request)\n"
+                        "                break\n")
+POPPED_BACK_ONLY_ON_ALLOCATION_FAILURE = [*_POP_FIRST, _BACK_ON_ALLOCATION_FAILURE]
+POPPED_BACK_AT_THE_TAIL = [*_POP_FIRST, *((old, new.replace("prepend_request", "add_request"))
+                                          for old, new in (_BACK_ON_ALLOCATION_FAILURE, _BACK_WHEN_UNCHUNKED))]
+
+
+def test_4_2_popping_first_and_putting_back_on_every_refusal_is_accepted():
+    """What the diagnosis of a lost head recommends is right: pop first, prepend_request on each refusal."""
+    right = _scheduler("4.2", "AdmissionScheduler", *_POP_FIRST, _BACK_ON_ALLOCATION_FAILURE, _BACK_WHEN_UNCHUNKED)
+    assert run_check(NB04, "4.2", AdmissionScheduler=right) is None
+
+
 @pytest.mark.parametrize("edits, why", [
     ([("            if len(self.running) == self.max_num_running_reqs:\n                break\n", "")],
      "both seats were taken"),
@@ -75,9 +106,18 @@ def test_4_1_running_loop_mistakes(edits, why):
      "a resumed request recomputes its outputs too"),
     ([("            request.status = RequestStatus.RUNNING\n", "")], "status to RequestStatus.RUNNING"),
     ([("            self.running.append(request)\n", "")], "append each admitted request to self.running"),
+    # The learner's walkthrough (issue 24): three mistakes that got a wrong diagnosis, or none.
+    (NEW_BLOCK_IDS_ONLY, "the step records only some of their ids: step.schedule(request, n, block_ids) takes all "
+                         "the request's block ids, its 4 shared hit blocks included"),
+    (COMPUTED_SET_BEFORE_ALLOCATION, "allocate_slots counts the hit you pass it (num_new_computed_tokens) on top of "
+                                     "request.num_computed_tokens"),
+    (POPPED_BACK_ONLY_ON_ALLOCATION_FAILURE, "r0 was refused (with chunked prefill off its 20 tokens do not fit the 10 "
+                                             "left), but it is gone from the waiting queue"),
+    (POPPED_BACK_AT_THE_TAIL, "it is no longer at the head of the waiting queue: add_request queues it behind"),
 ], ids=["seats", "hit_not_subtracted", "num_computed_not_set", "hit_not_allocated", "non_chunked_rule",
         "no_budget_cap", "no_threshold", "allocation_failure_ignored", "resumed_as_new", "prompt_length",
-        "status_not_running", "not_in_running"])
+        "status_not_running", "not_in_running", "new_block_ids_only", "num_computed_before_allocation",
+        "popped_back_only_on_allocation_failure", "popped_back_at_the_tail"])
 def test_4_2_admission_mistakes(edits, why):
     assert why in caught(NB04, "4.2", AdmissionScheduler=_scheduler("4.2", "AdmissionScheduler", *edits))
 
@@ -236,7 +276,8 @@ def test_challenge_4_delegating_answers_fail():
 
 @pytest.mark.parametrize("edits, why", [
     ([("                if num_new_blocks + num_evictable_hits + watermark_blocks > kv.num_free_blocks:\n"
-       "                    break\n", "")], "would leave 2, fewer than the watermark's int(0.1 x 40) = 4 blocks"),
+       "                    break\n", "")],
+     "would leave 2, fewer than the watermark's int(0.1 x 40) = 4 blocks: your _schedule_waiting applies no watermark"),
     ([("int(self.watermark * kv.num_blocks)", "int(self.watermark * kv.num_free_blocks)")],
      "a fraction of all the cache's blocks (self.kv_cache_manager.num_blocks), not of the free ones"),
     ([("+ watermark_blocks > kv.num_free_blocks", "+ watermark_blocks >= kv.num_free_blocks")],
@@ -256,6 +297,16 @@ def test_challenge_4_delegating_answers_fail():
 def test_challenge_4_mistakes(edits, why):
     e = run_challenge(WatermarkScheduler=_challenge_answer(*edits))
     assert isinstance(e, AssertionError) and why in str(e), e
+
+
+def test_challenge_4_an_inherited_4_2_admission_is_told_it_applies_no_watermark():
+    """A WatermarkScheduler that only inherits exercise 4.2's admission (the learner's own class, so the tripwire
+    lets it run) is told that it applies no watermark, not that W is computed from the wrong block count."""
+    admission = _scheduler("4.2", "AdmissionScheduler")
+    inherits = type("WatermarkScheduler", (admission,), {"watermark": 0.0})
+    e = run_challenge(WatermarkScheduler=inherits)
+    assert isinstance(e, AssertionError) and "your _schedule_waiting applies no watermark" in str(e), e
+    assert "not of the free ones" not in str(e), e
 
 
 @pytest.mark.parametrize("exercise, name, edit, why", [

@@ -307,8 +307,13 @@ TOPK = "from minillm.request import Request, RequestStatus\nimport torch\n"
      "you masked with 0, not -inf"),
     ([("    return out\n", "    return out.tolist()\n")], "returns a torch.Tensor (the masked logits), yours returned a list"),
     ([("    return out\n", "    return out.double()\n")], "keeps the dtype of logits (torch.float32); yours is torch.float64"),
+    # found by a learner: ties at the k-th largest logit were never probed, so keeping exactly k tokens passed
+    ([("            kth = row.sort(descending=True).values[kr - 1]\n            row[row < kth] = float(\"-inf\")\n",
+       "            dropped = torch.ones_like(row, dtype=torch.bool)\n"
+       "            dropped[row.topk(kr).indices] = False\n            row[dropped] = float(\"-inf\")\n")],
+     "tokens 1, 2 and 3 tie at the 2nd largest logit"),
 ], ids=["drops_crossing_token", "k_minus_1", "k_zero_masks_all", "top_p_not_renormalised",
-        "log_probs_returned", "in_place", "probabilities", "zero_mask", "a_list", "float64"])
+        "log_probs_returned", "in_place", "probabilities", "zero_mask", "a_list", "float64", "ties_dropped"])
 def test_5_1_top_k_top_p_mistakes(edits, why):
     assert why in caught(NB05, "5.1", top_k_top_p_mask=mutated(NB05, "5.1", "top_k_top_p_mask", *edits, header=TOPK))
 
@@ -488,9 +493,74 @@ def test_lesson_05_folds_the_answers_of_5_2_and_5_3():
         assert "```python\n" + body + "\n```" in folded[0], f"the folded listing of {fn.__name__} is out of date"
         last_line = body.splitlines()[-2].strip()    # a body line an unfolded listing would show
         assert last_line not in shown.replace("&quot;", '"'), f"{fn.__name__}'s body is printed in an output"
+        # Found by a learner: an open code cell quoted the answer's key lines to keep the folded walkthrough honest.
+        after_docstring = body.split('"""')[2]
+        quoted = [line.strip() for line in after_docstring.splitlines()
+                  if len(line.strip()) >= 12 and line.strip() not in ("return False", "return True")
+                  and line.strip() in code]
+        assert not quoted, f"an open code cell of the lesson quotes {fn.__name__}'s body: {quoted}"
+
+
+def _check_cell(exercise: str) -> str:
+    cells = nbformat.read(ROOT / "solutions" / NB05, as_version=4).cells
+    return next(c.source for c in cells if c.source.startswith(f"# Check Exercise {exercise}"))
+
+
+def test_lesson_05_does_not_answer_the_5_2_probe():
+    """Found by a learner: the lesson ran assemble_spec_output on exactly the 5.2 check's probe and printed the
+    answer the check expects."""
+    from minillm.sample.rejection_sampler import assemble_spec_output
+
+    tree = ast.parse(_check_cell("5.2"))
+    probe = next(node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "probe_args" for t in node.targets))
+    args = eval(compile(ast.Expression(probe), "probe", "eval"), {"dict": dict})  # noqa: S307 - our own notebook
+    flat = lambda xs, dtype: torch.tensor([v for x in xs for v in x], dtype=dtype)  # noqa: E731
+    want = assemble_spec_output(flat(args["draft_token_ids"], torch.long), flat(args["accepted"], torch.bool),
+                                flat(args["recovered"], torch.long), torch.tensor(args["bonus"]),
+                                [len(d) for d in args["draft_token_ids"]]).tolist()
+    lesson = nbformat.read(ROOT / "notebooks" / NB05, as_version=4).cells
+    text = "\n".join(c.source + "".join(str(o.get("data", o.get("text", ""))) for o in c.get("outputs", []))
+                     for c in lesson)
+    squeezed = re.sub(r"\s+", "", text)
+    for row in want:
+        assert re.sub(r"\s+", "", str(row)) not in squeezed, f"lesson 05 shows the 5.2 probe's row {row}"
+    drafts = [v for d in args["draft_token_ids"] for v in d]
+    assert re.sub(r"\s+", "", str(drafts)) not in squeezed, "lesson 05 runs the 5.2 probe's drafts"
+
+
+def _rule_1(text: str) -> str:
+    return re.search(r"^1\. (.*?)^2\. ", text, re.S | re.M).group(1)
+
+
+def test_the_min_tokens_rule_reads_the_same_in_lesson_05_and_exercise_5_3():
+    """Found by a learner: the lesson said "never stop on EOS or stop ids" during min_tokens and left out that
+    max_model_len still ends the request; exercise 5.3 said it does (it does, in minillm and in vLLM v0.33.0)."""
+    lesson = next(c.source for c in nbformat.read(ROOT / "notebooks" / NB05, as_version=4).cells
+                  if c.source.startswith("### The stop check, after every token"))
+    for folder in ("solutions", "exercises"):
+        statement = next(c.source for c in nbformat.read(ROOT / folder / NB05, as_version=4).cells
+                         if c.source.startswith("### Exercise 5.3 "))
+        english = statement.split("**练习 5.3")[0]
+        assert _rule_1(lesson) == _rule_1(english)
+        chinese = statement.split("**练习 5.3")[1]
+        assert "max_model_len" in _rule_1(chinese) and "FINISHED_LENGTH_CAPPED" in _rule_1(chinese)
+    assert "max_model_len" in _rule_1(lesson) and "FINISHED_LENGTH_CAPPED" in _rule_1(lesson)
 
 
 # -- challenge 5 --------------------------------------------------------------------------------------------------
+def test_challenge_5_statement_does_not_point_at_the_reference():
+    """Found by a learner: the statement named the file that holds the answer; only the check imports it."""
+    for folder in ("solutions", "exercises"):
+        cells = nbformat.read(ROOT / folder / NB05, as_version=4).cells
+        statement = next(c.source for c in cells if c.source.startswith("### Challenge 5 "))
+        assert "ch05" not in statement and "exercises/challenges" not in statement
+        assert not re.search(r"^\s*\d+\. ", statement, re.M), "the ★★★ statement lists numbered steps"
+    check = next(c.source for c in nbformat.read(ROOT / "solutions" / NB05, as_version=4).cells
+                 if c.source.startswith("# Check Challenge 5"))
+    assert "from minillm.exercises.challenges.ch05 import" in check
+
+
 def test_challenge_5_accepts_the_solution_and_fails_a_delegating_answer():
     from minillm.exercises.challenges import ch05
 

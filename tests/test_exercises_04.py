@@ -6,6 +6,7 @@ slips.
 """
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import matplotlib
@@ -23,8 +24,17 @@ SCHED_HEADER = ("from minillm.core.kv_cache_utils import KVCacheBlock\n"
                 "from minillm.request import Request, RequestStatus\n")
 
 
+def _in_main(cls):
+    """A learner's class is defined in the kernel's ``__main__``: give a class exec'd here (whose methods' module is
+    None) that module too, as the notebook would."""
+    for value in vars(cls).values():
+        if isinstance(value, types.FunctionType) and value.__module__ is None:
+            value.__module__ = "__main__"
+    return cls
+
+
 def _scheduler(exercise: str, name: str, *edits):
-    return mutated(NB04, exercise, name, *edits, header=SCHED_HEADER)
+    return _in_main(mutated(NB04, exercise, name, *edits, header=SCHED_HEADER))
 
 
 def test_04_checks_accept_the_solutions():
@@ -193,7 +203,7 @@ class FCFSPreemptionScheduler(Scheduler):
 
 
 def _defined(source: str, name: str):
-    ns: dict = {}
+    ns: dict = {"__name__": "__main__"}
     exec(compile(SCHED_HEADER + source, "<delegating answer>", "exec"), ns)  # noqa: S102
     return ns[name]
 
@@ -217,7 +227,7 @@ def test_4_3_delegating_one_of_its_two_methods_fails(delegated):
     args = {"_preempt_request": "request", "_allocate_or_preempt": "request, num_new_tokens, step"}[delegated]
     source = (f"class FCFSPreemptionScheduler(Own):\n    def {delegated}(self, {args}):\n"
               f"        return super(Own, self).{delegated}({args})\n")
-    ns: dict = {"Own": own}
+    ns: dict = {"Own": own, "__name__": "__main__"}
     exec(compile(source, "<half delegating>", "exec"), ns)  # noqa: S102
     assert "asks you to write this yourself" in caught(NB04, "4.3", FCFSPreemptionScheduler=ns["FCFSPreemptionScheduler"])
 

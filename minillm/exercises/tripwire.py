@@ -181,7 +181,7 @@ def _learner_closures(objs: Iterable[Any]) -> list[types.CellType]:
             todo.extend(v for c in obj.__mro__ if not c.__module__.startswith(_PACKAGES) for v in vars(c).values())
             continue
         fn = getattr(getattr(obj, "fn", obj), "__func__", getattr(obj, "fn", obj))
-        if isinstance(fn, types.FunctionType) and not fn.__module__.startswith(_PACKAGES):
+        if isinstance(fn, types.FunctionType) and not (fn.__module__ or "").startswith(_PACKAGES):
             for cell in fn.__closure__ or ():
                 if cell not in cells:
                     cells.append(cell)
@@ -189,7 +189,7 @@ def _learner_closures(objs: Iterable[Any]) -> list[types.CellType]:
                         value = cell.cell_contents
                     except ValueError:  # an empty cell
                         continue
-                    if isinstance(value, types.FunctionType) and not value.__module__.startswith(_PACKAGES):
+                    if isinstance(value, types.FunctionType) and not (value.__module__ or "").startswith(_PACKAGES):
                         todo.append(value)  # a learner helper captured by another
     return cells
 

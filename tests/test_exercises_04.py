@@ -332,3 +332,54 @@ def test_challenge_4_an_inherited_4_2_admission_is_told_it_applies_no_watermark(
 ], ids=["4.1_blocks_for_ids", "4.2_blocks_for_ids", "4.3_ids_for_blocks"])
 def test_4_x_type_mistakes_are_named(exercise, name, edit, why):
     assert why in caught(NB04, exercise, **{name: _scheduler(exercise, name, edit)})
+
+
+# -- lesson 04: no exercise's lines before the fold ---------------------------------------------------------------
+# Lines of the reference loops that are exercises 4.1 and 4.2 (a learner's walkthrough found them listed in an open
+# evidence cell of the lesson, before the exercise).
+SOLUTION_LINES_04 = ["while req_index < len(self.running) and step.token_budget > 0:",
+                     "if 0 < threshold < num_new_tokens:",
+                     "num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens",
+                     "self._allocate_or_preempt(request, num_new_tokens, step)",
+                     "while self.waiting and step.token_budget > 0:",
+                     "request = self.waiting.peek_request()",
+                     "self.kv_cache_manager.get_computed_blocks(request)",
+                     "num_new_tokens = request.num_tokens - num_computed_tokens",
+                     "self.waiting.pop_request()",
+                     "self.running.append(request)"]
+
+
+def _unfolded(text: str) -> str:
+    """`text` without its <details>...</details> blocks."""
+    import re
+    return re.sub(r"<details>.*?</details>", "", text, flags=re.S)
+
+
+def _open_text_of_lesson(path: Path) -> list[tuple[str, str]]:
+    """(cell id, text) for what a reader of lesson 04 sees unfolded: code cells' sources and outputs, markdown."""
+    shown = []
+    for cell in nbformat.read(path, as_version=4).cells:
+        shown.append((cell.get("id"), cell.source if cell.cell_type == "code" else _unfolded(cell.source)))
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            text = out.get("text", "") + data.get("text/plain", "") + data.get("text/html", "")
+            shown.append((cell.get("id"), _unfolded(text)))
+    return shown
+
+
+def lesson_04_solution_lines(path: Path = ROOT / "notebooks" / NB04) -> list[tuple[str, str]]:
+    return [(cid, line) for cid, text in _open_text_of_lesson(path) for line in SOLUTION_LINES_04 if line in text]
+
+
+def test_lesson_04_shows_no_line_of_exercises_4_1_and_4_2_unfolded():
+    assert lesson_04_solution_lines() == []
+
+
+def test_the_lesson_check_finds_an_open_listing(tmp_path):
+    """The test above can fail: an open code cell that lists a loop's lines is found."""
+    nb = nbformat.read(ROOT / "notebooks" / NB04, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell('order = ["while self.waiting and step.token_budget > 0:"]'))
+    nb.cells.append(nbformat.v4.new_markdown_cell("- `self.running.append(request)` admits it"))
+    nbformat.write(nb, tmp_path / NB04)
+    assert [line for _, line in lesson_04_solution_lines(tmp_path / NB04)] == [
+        "while self.waiting and step.token_budget > 0:", "self.running.append(request)"]

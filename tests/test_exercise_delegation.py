@@ -164,3 +164,12 @@ def test_a_package_function_captured_in_a_closure_is_tripped_and_put_back():
     with pytest.raises(DelegationError, match=r"Exercise 2\.1"):
         guard("2.1", learner)([1], 0, 1, 4)
     assert learner.__closure__[0].cell_contents is compute_slot_mapping
+
+
+def test_a_decorated_answer_is_guarded_in_its_own_namespace():
+    """@torch.inference_mode() wraps the learner's function in torch's: the names it reads are still the notebook's."""
+    ns = {"__name__": "__main__"}
+    exec("import torch\nfrom minillm.attention.paged import compute_slot_mapping\n"  # noqa: S102
+         "@torch.inference_mode()\ndef my_slot_mapping(b, s, e, bs):\n    return compute_slot_mapping(b, s, e, bs)\n", ns)
+    with pytest.raises(DelegationError, match=r"Exercise 2\.1"):
+        guard("2.1", ns["my_slot_mapping"])([1], 0, 1, 4)

@@ -199,11 +199,15 @@ def _learner_namespaces(objs: Iterable[Any]) -> list[dict[str, Any]]:
     found: dict[int, dict[str, Any]] = {}
 
     def add_function(fn: Any) -> None:
-        fn = getattr(fn, "fn", fn)  # a Triton kernel keeps its Python function as .fn
-        fn = getattr(fn, "__func__", fn)
-        g = getattr(fn, "__globals__", None)
-        if isinstance(g, dict) and not str(g.get("__name__", "")).startswith(_PACKAGES):
-            found[id(g)] = g
+        for _ in range(8):  # a decorated function (@torch.inference_mode()) reads its names from the one it wraps
+            fn = getattr(fn, "fn", fn)  # a Triton kernel keeps its Python function as .fn
+            fn = getattr(fn, "__func__", fn)
+            g = getattr(fn, "__globals__", None)
+            if isinstance(g, dict) and not str(g.get("__name__", "")).startswith(_PACKAGES):
+                found[id(g)] = g
+            fn = getattr(fn, "__wrapped__", None)
+            if fn is None:
+                break
 
     for obj in objs:
         if isinstance(obj, dict):

@@ -6,6 +6,7 @@ slips.
 """
 from __future__ import annotations
 
+import re
 import types
 from pathlib import Path
 
@@ -351,7 +352,6 @@ SOLUTION_LINES_04 = ["while req_index < len(self.running) and step.token_budget 
 
 def _unfolded(text: str) -> str:
     """`text` without its <details>...</details> blocks."""
-    import re
     return re.sub(r"<details>.*?</details>", "", text, flags=re.S)
 
 

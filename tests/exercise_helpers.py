@@ -53,8 +53,18 @@ def run_check_with_answer(solution: str | Path, exercise: str, answer: str,
     return _run_check(solution, exercise, answer, {}, setup_only)
 
 
+def run_challenge(solution: str | Path, chapter: int | str, setup_only: bool = False,
+                  **replace: Any) -> BaseException | None:
+    """:func:`run_check` for chapter ``chapter``'s open challenge (``4``, ``"4"`` or ``"C4"``): the notebook's code
+    cells up to its ``# Check Challenge N`` cell, the exercises' check cells left out (they are tested on their own),
+    with ``replace`` swapped in after the ``# Challenge N:`` cell. ``setup_only``: as in
+    :func:`run_check_with_answer`. Returns what the check raised, or ``None``."""
+    number = str(chapter).removeprefix("C")
+    return _run_check(solution, number, None, replace, setup_only, skip_exercise_checks=True)
+
+
 def _run_check(solution: str | Path, exercise: str, answer: str | None, replace: dict[str, Any],
-               setup_only: bool = False) -> BaseException | None:
+               setup_only: bool = False, skip_exercise_checks: bool = False) -> BaseException | None:
     path = Path(solution)
     if not path.is_absolute() and not path.exists():
         path = ROOT / "solutions" / path
@@ -83,6 +93,8 @@ def _run_check(solution: str | Path, exercise: str, answer: str | None, replace:
             source = answer if is_exercise and answer is not None else cell.source
             if setup_only and not seen_exercise and not is_exercise and not first.startswith("# Environment set-up"):
                 continue
+            if skip_exercise_checks and first.startswith("# Check Exercise"):
+                continue
             exec(_compile_cell(_plain_python(source), f"{path.name}:cell"), ns)  # noqa: S102
             if is_exercise:
                 seen_exercise = True
@@ -107,8 +119,10 @@ def caught(solution: str, exercise: str, **wrong) -> str:
 
 
 def exercise_source(solution: str, exercise: str) -> str:
+    """The source of exercise ``exercise``'s cell ("2.1"), or of a challenge's ("C2")."""
     nb = nbformat.read(ROOT / "solutions" / solution, as_version=4)
-    return next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(f"# Exercise {exercise}:"))
+    title = f"# Challenge {exercise[1:]}:" if exercise.startswith("C") else f"# Exercise {exercise}:"
+    return next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(title))
 
 
 def mutated(solution: str, exercise: str, name: str, *edits: tuple[str, str], header: str = "",

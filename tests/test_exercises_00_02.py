@@ -22,7 +22,7 @@ import torch
 from minillm.attention.reference import causal_mask, reference_attention
 from minillm.core import hash_block_tokens
 from minillm.exercises.build import BEGIN
-from tests.exercise_helpers import _compile_cell, _plain_python, mutated, run_check
+from tests.exercise_helpers import _plain_python, mutated, run_challenge, run_check
 
 ROOT = Path(__file__).resolve().parent.parent
 NB00, NB01, NB02 = "00_warmup.ipynb", "01_attention_and_chunks.ipynb", "02_paged_kv_cache.ipynb"
@@ -47,41 +47,6 @@ def caught(solution: str, exercise: str, **wrong) -> str:
                                                                                                **wrong)
     assert isinstance(e, AssertionError), f"check {exercise} did not fail with an AssertionError on {wrong}: {e!r}"
     return str(e)
-
-
-def run_challenge(solution: str, challenge: str, **replace) -> BaseException | None:
-    """``run_check`` for an open challenge ("C2"): the notebook's code cells up to its ``# Check Challenge 2`` cell,
-    with ``replace`` swapped in after the ``# Challenge 2:`` cell; returns what the check raised, or ``None``."""
-    import os
-
-    import matplotlib
-
-    number = challenge[1:]
-    path = ROOT / "solutions" / solution
-    matplotlib.use("Agg")
-    ns: dict = {"__name__": "__main__"}
-    cwd = os.getcwd()
-    os.chdir(path.parent)
-    try:
-        for cell in nbformat.read(path, as_version=4).cells:
-            if cell.cell_type != "code" or not cell.source.strip():
-                continue
-            first = cell.source.lstrip().splitlines()[0]
-            if first.startswith("# Check Exercise"):
-                continue  # the exercises' checks are tested on their own
-            code = _compile_cell(_plain_python(cell.source), f"{solution}:cell")
-            if first.startswith(f"# Check Challenge {number}"):
-                try:
-                    exec(code, ns)  # noqa: S102
-                except BaseException as e:  # noqa: BLE001 - the caller asserts on it
-                    return e
-                return None
-            exec(code, ns)  # noqa: S102
-            if first.startswith(f"# Challenge {number}:"):
-                ns.update(replace)
-        raise LookupError(f"{solution} has no '# Check Challenge {number}' cell")
-    finally:
-        os.chdir(cwd)
 
 
 DELEGATED = "asks you to write this yourself"

@@ -13,9 +13,7 @@ chapter 8 loads from a learner's notebook.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
-import itertools
 import os
 import re
 from pathlib import Path
@@ -25,9 +23,7 @@ import pytest
 import torch
 
 from minillm.exercises.build import BEGIN
-from minillm.outputs import PLACEHOLDER_TOKEN_ID
-from minillm.request import RequestStatus
-from tests.exercise_helpers import (_compile_cell, _plain_python, caught, exercise_source, mutated, run_check,
+from tests.exercise_helpers import (caught, exercise_source, mutated, run_challenge, run_check,
                                     run_check_with_answer)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,64 +31,10 @@ NB03, NB04, NB05 = "03_triton_prefill_kernel.ipynb", "04_scheduler.ipynb", "05_s
 DELEGATES = "asks you to write this yourself"
 
 
-def run_challenge(solution: str, number: int, **replace) -> BaseException | None:
-    """Like ``run_check``, for a chapter's open challenge: runs the code cells up to ``# Check Challenge N`` with
-    ``replace`` swapped in after the ``# Challenge N:`` cell; returns what the check raised (``None``: it passed)."""
-    import matplotlib
-
-    path = ROOT / "solutions" / solution
-    matplotlib.use("Agg")
-    ns: dict = {"__name__": "__main__"}
-    cwd = os.getcwd()
-    os.chdir(path.parent)
-    try:
-        for cell in nbformat.read(path, as_version=4).cells:
-            if cell.cell_type != "code":
-                continue
-            first = cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
-            code = _compile_cell(_plain_python(cell.source), f"{solution}:challenge {number}")
-            if first.startswith(f"# Check Challenge {number}"):
-                try:
-                    exec(code, ns)  # noqa: S102
-                except BaseException as e:  # noqa: BLE001 - the caller asserts on it
-                    return e
-                return None
-            exec(code, ns)  # noqa: S102
-            if first.startswith(f"# Challenge {number}:"):
-                ns.update(replace)
-        raise LookupError(f"{solution} has no '# Check Challenge {number}' cell")
-    finally:
-        os.chdir(cwd)
-
-
 def challenge_message(solution: str, number: int, **wrong) -> str:
     e = run_challenge(solution, number, **wrong)
     assert isinstance(e, AssertionError), f"challenge {number}'s check did not fail with an AssertionError: {e!r}"
     return str(e)
-
-
-_modules = itertools.count()
-
-
-def mutated_challenge(solution: str, number: int, name: str, *edits: tuple[str, str], header: str = "",
-                      tmp_path: Path | None = None):
-    """``name`` from the solution's ``# Challenge N:`` cell with each ``(old, new)`` edit applied once; with
-    ``tmp_path`` the code is imported from a file (a Triton kernel needs one)."""
-    cells = nbformat.read(ROOT / "solutions" / solution, as_version=4).cells
-    source = next(c.source for c in cells if c.cell_type == "code" and c.source.startswith(f"# Challenge {number}:"))
-    for old, new in edits:
-        assert source.count(old) == 1, f"edit {old!r} does not apply once to challenge {number}"
-        source = source.replace(old, new)
-    if tmp_path is None:
-        ns: dict = {}
-        exec(compile(header + source, f"<wrong challenge {number}>", "exec"), ns)  # noqa: S102
-        return ns[name]
-    path = tmp_path / f"wrong_challenge_{number}_{next(_modules)}.py"
-    path.write_text(header + source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, name)
 
 
 # -- 03 ----------------------------------------------------------------------------------------------------------------
@@ -274,7 +216,7 @@ def test_challenge_3_accepts_the_solution_and_fails_a_delegating_answer():
      "your output holds NaN"),
 ], ids=["window_ignored", "window_plus_one", "no_tile_pruning", "nan_on_a_fully_masked_tile"])
 def test_challenge_3_mistakes(tmp_path, edits, why):
-    wrong = mutated_challenge(NB03, 3, "my_paged_window_attention", *edits, header=TRITON_HEADER, tmp_path=tmp_path)
+    wrong = mutated(NB03, "C3", "my_paged_window_attention", *edits, header=TRITON_HEADER, tmp_path=tmp_path)
     assert why in challenge_message(NB03, 3, my_paged_window_attention=wrong)
 
 
@@ -583,7 +525,7 @@ def test_challenge_5_accepts_the_solution_and_fails_a_delegating_answer():
     ([("    out = logits.clone()\n", "    out = logits\n")], "changed its input"),
 ], ids=["no_clamp", "allowed_masked", "finite_mask", "negative_id", "bias_on_every_row", "in_place"])
 def test_challenge_5_mistakes(edits, why):
-    wrong = mutated_challenge(NB05, 5, "my_apply_allowed_and_bias", *edits, header="import torch\n")
+    wrong = mutated(NB05, "C5", "my_apply_allowed_and_bias", *edits, header="import torch\n")
     assert why in challenge_message(NB05, 5, my_apply_allowed_and_bias=wrong)
 
 

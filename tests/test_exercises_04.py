@@ -10,11 +10,10 @@ import re
 import types
 from pathlib import Path
 
-import matplotlib
 import nbformat
 import pytest
 
-from tests.exercise_helpers import ROOT, _compile_cell, _plain_python, caught, mutated, run_check
+from tests.exercise_helpers import ROOT, caught, mutated, run_challenge, run_check
 
 NB04 = "04_scheduler.ipynb"
 
@@ -234,29 +233,6 @@ def test_4_3_delegating_one_of_its_two_methods_fails(delegated):
 
 
 # -- Challenge 4: admission with a KV-cache watermark ---------------------------------------------------------------
-def run_challenge(solution: str | Path = NB04, **replace) -> BaseException | None:
-    """Run ``solution`` (under ``solutions/``, or a path) up to its ``# Check Challenge 4`` cell, skipping the
-    exercises' checks, with ``replace`` swapped in after the ``# Challenge 4:`` cell; what the check raised, or None."""
-    path = Path(solution) if Path(solution).is_absolute() else ROOT / "solutions" / solution
-    matplotlib.use("Agg")
-    ns: dict = {"__name__": "__main__"}
-    for cell in nbformat.read(path, as_version=4).cells:
-        first = cell.source.lstrip().splitlines()[0] if cell.cell_type == "code" and cell.source.strip() else ""
-        if not first or first.startswith("# Check Exercise"):
-            continue
-        code = _compile_cell(_plain_python(cell.source), f"{path.name}:cell")
-        if first.startswith("# Check Challenge 4"):
-            try:
-                exec(code, ns)  # noqa: S102
-            except BaseException as e:  # noqa: BLE001 - the caller asserts on it
-                return e
-            return None
-        exec(code, ns)  # noqa: S102
-        if first.startswith("# Challenge 4:"):
-            ns.update(replace)
-    raise LookupError(f"{path.name} has no '# Check Challenge 4' cell")
-
-
 def _challenge_answer(*edits):
     """The solution's WatermarkScheduler with each (old, new) edit applied once."""
     nb = nbformat.read(ROOT / "solutions" / NB04, as_version=4)
@@ -268,7 +244,7 @@ def _challenge_answer(*edits):
 
 
 def test_challenge_4_accepts_the_solution(capsys):
-    assert run_challenge() is None
+    assert run_challenge(NB04, 4) is None
     assert "Challenge 4 passed" in capsys.readouterr().out
 
 
@@ -281,7 +257,7 @@ def test_challenge_4_delegating_answers_fail():
                                "    def _schedule_waiting(self, step):\n        return _W._schedule_waiting(self, step)\n",
                                "WatermarkScheduler")
     for answer in (calls_super, calls_reference):
-        e = run_challenge(WatermarkScheduler=answer)
+        e = run_challenge(NB04, 4, WatermarkScheduler=answer)
         assert isinstance(e, AssertionError) and "Challenge 4 asks you to write this yourself" in str(e), e
 
 
@@ -306,7 +282,7 @@ def test_challenge_4_delegating_answers_fail():
 ], ids=["no_watermark", "fraction_of_free", "refuses_at_exactly_w", "usable_blocks", "rounds_up", "empty_engine",
         "tested_once", "evictable_hits_free", "shared_hits_counted"])
 def test_challenge_4_mistakes(edits, why):
-    e = run_challenge(WatermarkScheduler=_challenge_answer(*edits))
+    e = run_challenge(NB04, 4, WatermarkScheduler=_challenge_answer(*edits))
     assert isinstance(e, AssertionError) and why in str(e), e
 
 
@@ -315,7 +291,7 @@ def test_challenge_4_an_inherited_4_2_admission_is_told_it_applies_no_watermark(
     lets it run) is told that it applies no watermark, not that W is computed from the wrong block count."""
     admission = _scheduler("4.2", "AdmissionScheduler")
     inherits = type("WatermarkScheduler", (admission,), {"watermark": 0.0})
-    e = run_challenge(WatermarkScheduler=inherits)
+    e = run_challenge(NB04, 4, WatermarkScheduler=inherits)
     assert isinstance(e, AssertionError) and "your _schedule_waiting applies no watermark" in str(e), e
     assert "not of the free ones" not in str(e), e
 

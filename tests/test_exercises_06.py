@@ -17,6 +17,7 @@ import minillm
 from minillm.attention.metadata import AttentionMetadata
 from minillm.request import RequestStatus
 from minillm.worker.model_runner import BatchInputs
+from tests.exercise_helpers import run_challenge as _run_challenge
 from tests.exercise_helpers import run_check
 
 SOLUTION = "06_engine.ipynb"
@@ -295,39 +296,8 @@ def test_check_62_fails_a_stop_string_finished_as_aborted(shared_model, status):
 
 
 def run_challenge(**replace):
-    """Run solutions/06's set-up cell, its challenge cell with ``replace`` swapped in after it, and the check of
-    challenge 6; the exception the check raised, or None. (The cells of the exercises are tested above.)"""
-    import os
-
-    import matplotlib
-    import nbformat
-
-    from tests.exercise_helpers import ROOT
-    path = ROOT / "solutions" / SOLUTION
-    nb = nbformat.read(path, as_version=4)
-    matplotlib.use("Agg")
-    ns = {"__name__": "__main__"}
-    cwd = os.getcwd()
-    os.chdir(path.parent)
-    try:
-        for cell in nb.cells:
-            if cell.cell_type != "code":
-                continue
-            first = cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
-            if not first.startswith(("# Environment set-up", "# Challenge 6:", "# Check Challenge 6")):
-                continue
-            if first.startswith("# Check Challenge 6"):
-                try:
-                    exec(compile(cell.source, "<check challenge 6>", "exec"), ns)  # noqa: S102
-                except BaseException as e:  # noqa: BLE001 - the caller asserts on it
-                    return e
-                return None
-            exec(compile(cell.source, "<cell>", "exec"), ns)  # noqa: S102
-            if first.startswith("# Challenge 6:"):
-                ns.update(replace)
-        raise LookupError("no '# Check Challenge 6' cell")
-    finally:
-        os.chdir(cwd)
+    """Challenge 6's check after the set-up cell alone (the exercises' cells are tested above)."""
+    return _run_challenge(SOLUTION, 6, setup_only=True, **replace)
 
 
 def sample_children(engine, request_id, prompt_ids, params, n, *, seed_of=lambda seed, i: seed + i,

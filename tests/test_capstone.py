@@ -221,11 +221,15 @@ def _cell(start: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def chapter_8_setup() -> dict:
-    """The namespace of chapter 8's set-up cell (the model loaded once for the challenge's checks)."""
+def chapter_8_setup(smollm) -> dict:
+    """The namespace of chapter 8's set-up cell, with the session's SmolLM2 as the model it loads."""
+    import minillm
+
     ns: dict = {"__name__": "__main__"}
     setup = "\n".join(line for line in _cell("# Environment set-up").splitlines() if not line.startswith("%"))
-    exec(setup, ns)  # noqa: S102
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(minillm, "load_model", lambda *a, **k: smollm)
+        exec(setup, ns)  # noqa: S102
     return ns
 
 

@@ -21,6 +21,24 @@ from tests.delegating_answers import DELEGATING, NOTEBOOK, answer_cell
 from tests.exercise_helpers import run_check_with_answer
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _model_loaded_once(request):
+    """The notebooks' set-up cells call ``minillm.load_model()``: hand them the session's SmolLM2 (they only read
+    it) instead of loading it again for every check run. Only the tests that run a model-loading notebook ask."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("number") not in SLOW:
+        yield
+        return
+    import minillm
+
+    smollm, real = request.getfixturevalue("smollm"), minillm.load_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(minillm, "load_model", lambda *a, **k: smollm if not a and not k else real(*a, **k))
+        yield
+
+
 _TITLE = re.compile(r"^# (Exercise (\d+\.\d+)|Challenge (\d+)):")
 
 

@@ -151,3 +151,14 @@ def mutated(solution: str, exercise: str, name: str, *edits: tuple[str, str], he
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return getattr(module, name)
+
+
+# The course-wide exercise format (issue 24), checked by each chapter's test file.
+EXERCISE_HEADING = re.compile(r"^### Exercise (\d+\.\d+) (★{1,3}) \S")
+# Two folded hints in one cell, each with its English text and then its Chinese **提示 N：** paragraph.
+_BLOCK = r"(?:(?!</details>|<details>).)*"
+HINT_FORMAT = re.compile(r"^<details><summary>Hint 1: the idea</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
+                         + r"\n\*\*提示 1：\*\* \S" + _BLOCK + r"\n</details>\n"
+                         r"<details><summary>Hint 2: closer to the code</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
+                         + r"\n\*\*提示 2：\*\* \S" + _BLOCK + r"\n</details>$", re.S)
+CHALLENGE_HEADING = re.compile(r"^### Challenge (\d+) ★★★ \S.* \(optional, extra credit\)\n")

@@ -22,7 +22,8 @@ import torch
 from minillm.attention.reference import causal_mask, reference_attention
 from minillm.core import hash_block_tokens
 from minillm.exercises.build import BEGIN
-from tests.exercise_helpers import _plain_python, mutated, run_challenge, run_check
+from tests.exercise_helpers import (CHALLENGE_HEADING, EXERCISE_HEADING, HINT_FORMAT, _plain_python, mutated,
+                                    run_challenge, run_check)
 
 ROOT = Path(__file__).resolve().parent.parent
 NB00, NB01, NB02 = "00_warmup.ipynb", "01_attention_and_chunks.ipynb", "02_paged_kv_cache.ipynb"
@@ -331,14 +332,7 @@ def test_02_5_free_without_decrementing():
 
 # -- the format and the names chapter 8 loads --------------------------------------------------------------------------
 EXERCISES = {NB00: ["0.1", "0.2"], NB01: ["1.1", "1.2", "1.3", "1.4"], NB02: ["2.1", "2.2", "2.3", "2.4", "2.5"]}
-HEADING = re.compile(r"^### Exercise (\d+\.\d+) (★{1,3}) \S")
-# Two folded hints in one cell, each with its English text and then its Chinese **提示 N：** paragraph.
-_BLOCK = r"(?:(?!</details>|<details>).)*"
-HINT = re.compile(r"^<details><summary>Hint 1: the idea</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
-                  + r"\n\*\*提示 1：\*\* \S" + _BLOCK + r"\n</details>\n"
-                  r"<details><summary>Hint 2: closer to the code</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
-                  + r"\n\*\*提示 2：\*\* \S" + _BLOCK + r"\n</details>$", re.S)
-CHALLENGE = re.compile(r"^### Challenge (\d+) ★★★ \S.* \(optional, extra credit\)\n")
+HEADING, HINT, CHALLENGE = EXERCISE_HEADING, HINT_FORMAT, CHALLENGE_HEADING
 
 
 def test_the_hint_format_is_exactly_two_steps():

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from minillm.exercises.build import BEGIN
-from tests.exercise_helpers import (caught, exercise_source, mutated, run_challenge, run_check,
+from tests.exercise_helpers import (CHALLENGE_HEADING, EXERCISE_HEADING, HINT_FORMAT, caught, exercise_source, mutated,
+                                    run_challenge, run_check,
                                     run_check_with_answer)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -530,14 +531,7 @@ def test_challenge_5_mistakes(edits, why):
 
 
 # -- the course-wide format --------------------------------------------------------------------------------------------
-_HEADING = re.compile(r"^### Exercise (\d+\.\d+) (★{1,3}) \S")
-# Two folded hints in one cell, each with its English text and then its Chinese **提示 N：** paragraph.
-_BLOCK = r"(?:(?!</details>|<details>).)*"
-_HINT = re.compile(r"^<details><summary>Hint 1: the idea</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
-                   + r"\n\*\*提示 1：\*\* \S" + _BLOCK + r"\n</details>\n"
-                   r"<details><summary>Hint 2: closer to the code</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
-                   + r"\n\*\*提示 2：\*\* \S" + _BLOCK + r"\n</details>$", re.S)
-_CHALLENGE = re.compile(r"^### Challenge (\d+) ★★★ \S.* \(optional, extra credit\)\n")
+_HEADING, _HINT, _CHALLENGE = EXERCISE_HEADING, HINT_FORMAT, CHALLENGE_HEADING
 _CONTRACT = ("# Keep this first line (chapter 8 and the grader find your answer by it); helpers: here or in new cells "
              "before the check.")
 

@@ -3,12 +3,17 @@ request.
 
 Each step it
 
-1. updates its own copy of the requests (:class:`CachedRequestState`): drops finished ones, adds new ones, appends
-   new blocks, and resets resumed ones (preempted earlier, recomputed from scratch now);
+1. updates its own copy of the requests (:class:`CachedRequestState`) and the **persistent batch**
+   (:class:`~minillm.worker.input_batch.InputBatch`, per-slot buffers of tokens, context lengths and block-table
+   rows) from the step's diffs alone: drops finished ones, adds new ones, appends new blocks, and resets resumed
+   ones (preempted earlier, recomputed from scratch now). Nothing else crosses from the scheduler, so the
+   ``SchedulerOutput`` may come from another process;
 2. builds one **flat batch** (:class:`BatchInputs`) from all scheduled tokens of all requests, prefill chunks and
    decodes together: ``input_ids`` and ``positions`` ``[num_tokens]``; per request ``query_start_loc``,
    ``seq_lens`` and a ``block_table`` row; per token the ``slot_mapping`` where its K/V goes; and
-   ``logits_indices``, the last scheduled token of each request;
+   ``logits_indices``, the last scheduled token of each request. :func:`prepare_inputs` builds it from the request
+   states (exercise 6.1); the runner gathers the same batch from the persistent buffers with one fancy-indexing
+   pass, unless a learner's ``prepare_inputs`` is plugged in (chapter 8);
 3. runs the model once over the batch, with attention through the paged KV cache (backend ``"torch"``:
    :class:`~minillm.attention.torch_sdpa.TorchSDPAAttention`; ``"triton"``: the chapter-3 kernels through
    :class:`~minillm.attention.paged.PagedAttention`);
@@ -35,9 +40,9 @@ rows' tokens and rewinds each one's seeded generator (``gen.set_offset(gen.get_o
 (``vllm/v1/worker/gpu/``) also samples every request (``vllm/v1/worker/gpu/sample/sampler.py:Sampler.__call__``) and
 sets ``num_sampled`` to 0 where ``seq_len < prefill_len`` (``vllm/v1/worker/gpu/input_batch.py:
 get_num_sampled_and_rejected``); its seeded noise is a hash of (seed, position) (``gpu/sample/gumbel.py``), so
-there is no generator to rewind. vLLM keeps the batch in persistent pinned buffers updated in place, and adds CUDA
-graphs, ``torch.compile``, draft-model and EAGLE speculative decoding, LoRA, multimodal inputs and pipeline/tensor
-parallelism.
+there is no generator to rewind. vLLM's persistent buffers are pinned CPU tensors copied to the GPU each step, and
+it adds CUDA graphs, ``torch.compile``, draft-model and EAGLE speculative decoding, LoRA, multimodal inputs and
+pipeline/tensor parallelism.
 """
 from __future__ import annotations
 
@@ -62,6 +67,10 @@ from minillm.sample.sampler import Sampler
 from minillm.sampling_params import SamplingParams, SamplingType
 from minillm.spec_decode.metadata import SpecDecodeMetadata
 from minillm.spec_decode.ngram_proposer import NgramProposer
+from minillm.worker.input_batch import InputBatch
+
+# The slots of the persistent batch when the caller does not say (the engine passes its max_num_seqs).
+DEFAULT_MAX_NUM_REQS = 1024
 
 
 @dataclass
@@ -226,8 +235,16 @@ class ModelRunner:
         parts: the engine's replaceable parts (:class:`~minillm.engine.parts.EngineParts`); the runner calls
             ``parts.prepare_inputs``, ``parts.top_k_top_p`` (through its sampler) and, when set, ``parts.attention``.
         kv_connector: the worker side of a KV connector (chapter 9), or ``None``.
+        max_num_reqs: slots of the persistent batch, the most requests one step may schedule (the engine's
+            ``max_num_seqs``); ``None``: ``num_blocks - 1`` (each scheduled request holds a block of its own), at
+            most :data:`DEFAULT_MAX_NUM_REQS`.
+        max_model_len: the most tokens one request may reach (the engine's ``max_model_len``); ``None``: the
+            model's ``max_position_embeddings``.
 
     Attributes:
+        requests: request id -> :class:`CachedRequestState`, every request the runner holds (preempted ones too).
+        input_batch: the persistent batch (:class:`~minillm.worker.input_batch.InputBatch`) of the requests
+            scheduled in the latest step, updated in place by :meth:`_update_states` and after sampling.
         kv_caches: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads,
             head_dim]``.
         last_inputs: the :class:`BatchInputs` of the latest step (for inspection and teaching).
@@ -241,7 +258,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  kv_cache_dtype: torch.dtype | None = None, eos_token_id: int | None = None,
                  speculative_config: dict | None = None, parts: EngineParts | None = None,
-                 kv_connector: KVConnectorBase_V1 | None = None) -> None:
+                 kv_connector: KVConnectorBase_V1 | None = None, max_num_reqs: int | None = None,
+                 max_model_len: int | None = None) -> None:
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.model = model
@@ -261,6 +279,13 @@ class ModelRunner:
                                          speculative_config["prompt_lookup_max"],
                                          speculative_config["num_speculative_tokens"])
         self.requests: dict[str, CachedRequestState] = {}
+        if max_num_reqs is None:
+            # Every scheduled request computes at least its last token into a block of its own, so no more than
+            # num_blocks - 1 requests run in one step; the cap keeps a huge cache from sizing the batch.
+            max_num_reqs = max(1, min(num_blocks - 1, DEFAULT_MAX_NUM_REQS))
+        self.input_batch = InputBatch(max_num_reqs,
+                                      model.config.max_position_embeddings if max_model_len is None else max_model_len,
+                                      block_size)
         self.last_inputs: BatchInputs | None = None
         self.last_sampler_output: SamplerOutput | None = None
         self.last_step_seconds = 0.0
@@ -270,30 +295,110 @@ class ModelRunner:
 
     # -- 1. requests ----------------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's diffs to the request states and the persistent batch, in vLLM's order: finished requests
+        leave both; requests not scheduled now (preempted, or left out by the budget) leave the batch but keep their
+        state; new ones arrive; scheduled cached ones get their context length and new blocks (those not in the
+        batch come back whole from their state); then the holes are condensed and the drafts written."""
+        batch = self.input_batch
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            batch.remove_request(rid)
+        cached = so.scheduled_cached_reqs
+        # A resumed request counts as unscheduled: its blocks and tokens are replaced whole, so it re-enters.
+        scheduled = so.num_scheduled_tokens.keys() - cached.resumed_req_ids
+        for rid in batch.req_id_to_index.keys() - scheduled:
+            batch.remove_request(rid)
+
+        to_add: list[CachedRequestState] = []
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
             if isinstance(params, SamplingParams) and params.sampling_type == SamplingType.RANDOM_SEED:
                 gen = make_generator(params.seed, self.device)
-            self.requests[new.req_id] = CachedRequestState(
-                new.req_id, len(new.prompt_token_ids), params, list(new.prompt_token_ids), list(new.block_ids),
-                new.num_computed_tokens, gen)
-        cached = so.scheduled_cached_reqs
+            state = CachedRequestState(new.req_id, len(new.prompt_token_ids), params, list(new.prompt_token_ids),
+                                       list(new.block_ids), new.num_computed_tokens, gen)
+            self.requests[new.req_id] = state
+            to_add.append(state)
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]
-            if rid in cached.all_token_ids:
+            resent = rid in cached.all_token_ids
+            if resent:
                 state.token_ids = list(cached.all_token_ids[rid])
             if rid in cached.resumed_req_ids:
                 state.block_ids = list(cached.new_block_ids[i])  # its old blocks were freed: a whole new list
             else:
                 state.block_ids.extend(cached.new_block_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
+            slot = batch.req_id_to_index.get(rid)
+            if slot is None:
+                to_add.append(state)
+                continue
+            batch.num_computed_tokens_cpu[slot] = state.num_computed_tokens
+            batch.block_table.append_row(cached.new_block_ids[i], slot)
+            if resent:
+                batch.set_token_ids(slot, state.token_ids)
+        for state in to_add:
+            batch.add_request(state)  # the lowest holes first
+        batch.condense()
+        # After condense(), so that moving a request copies only its tokens, never drafts.
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            batch.update_req_spec_token_ids(rid, drafts)
 
     # -- 2. the flat batch ----------------------------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
-        return self.parts.prepare_inputs(so, self.requests, self.block_size, self.device)
+        """The step's :class:`BatchInputs`. With the package's own ``prepare_inputs`` in ``parts``, gathered from
+        the persistent batch (the same batch :func:`prepare_inputs` builds from the request states, field by
+        field); with a learner's function there (chapter 8), that function's, called as
+        ``prepare_inputs(scheduler_output, requests, block_size, device)``."""
+        if self.parts.prepare_inputs is not prepare_inputs:
+            return self.parts.prepare_inputs(so, self.requests, self.block_size, self.device)
+        batch, bs = self.input_batch, self.block_size
+        req_ids = list(so.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        # The batch keeps the scheduler's order; req_indices[i] is the slot of its i-th request.
+        req_indices = np.fromiter((batch.req_id_to_index[rid] for rid in req_ids), dtype=np.int64, count=num_reqs)
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]
+        num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=num_reqs)
+        num_computed = batch.num_computed_tokens_cpu[req_indices].astype(np.int64)
+        num_known = batch.num_tokens_no_spec[req_indices] + num_drafts  # drafts sit right after the tokens
+        seq_lens = num_computed + num_sched
+        bad = np.nonzero((seq_lens > num_known) | ((num_drafts > 0) & (seq_lens != num_known)))[0]
+        if bad.size:  # drafts are always the last scheduled tokens
+            i = int(bad[0])
+            raise RuntimeError(f"request {req_ids[i]!r}: scheduled tokens {num_computed[i]}..{seq_lens[i]} but the "
+                               f"runner knows {num_known[i] - num_drafts[i]} tokens and {num_drafts[i]} drafts")
+        cu = np.cumsum(num_sched)
+        total = int(cu[-1])
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        query_start_loc[1:] = cu
+
+        # E.g. num_sched [2, 5, 3] -> req_idx [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]; with num_computed [4, 0, 7]
+        # positions [4, 5, 0, 1, 2, 3, 4, 7, 8, 9].
+        req_idx = np.repeat(np.arange(num_reqs), num_sched)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu - num_sched - num_computed, num_sched)
+        # Token (slot s, position p) is element s * max_model_len + p of the flattened buffer: one gather for the
+        # whole step. E.g. slots [3, 0], positions [[4, 5], [0]] -> [3M + 4, 3M + 5, 0] with M = max_model_len.
+        token_indices = req_indices[req_idx] * batch.max_model_len + positions
+        input_ids = batch.token_ids_cpu.ravel()[token_indices].astype(np.int64)
+        max_blocks = int(batch.block_table.num_blocks_per_row[req_indices].max())
+        block_table = batch.block_table.block_table[req_indices, :max_blocks]  # rows padded with the null block 0
+        slot_mapping = block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        # Mid-prefill: this step ends before the request's known tokens do (see prepare_inputs).
+        discard_request_mask = seq_lens < num_known
+        seq_lens = seq_lens.astype(np.int32)
+
+        dev = self.device
+        md = AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_table=torch.from_numpy(block_table).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return BatchInputs(req_ids, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
+                           torch.from_numpy(cu - 1).to(dev), discard_request_mask, drafts)
 
     def make_attention(self, md: AttentionMetadata):
         """The :class:`~minillm.attention.backend.AttentionImpl` of one step: ``parts.attention`` request by request
@@ -371,8 +476,10 @@ class ModelRunner:
         self.last_sampler_output = out
         for i in discard:
             sampled[i] = []  # mid-prefill: the token never reaches the request (vLLM clears the row too)
+        batch = self.input_batch
         for s, tokens in zip(states, sampled):
             s.token_ids.extend(tokens)
+            batch.append_token_ids(batch.req_id_to_index[s.req_id], tokens)  # in place, as vLLM's bookkeeping
 
         logprobs: dict[str, list[dict[int, float]]] | None = None
         if out.logprobs_tensors is not None:
@@ -384,6 +491,7 @@ class ModelRunner:
                     logprobs[s.req_id] = [dict(zip(ids[k][:n + 1], lps[k][:n + 1]))]
         for rid, seq_len in zip(inputs.req_ids, inputs.attn_metadata.seq_lens.tolist()):
             self.requests[rid].num_computed_tokens = seq_len  # the scheduler sends the true value (drafts) next step
+            batch.num_computed_tokens_cpu[batch.req_id_to_index[rid]] = seq_len
         draft_token_ids = self._propose_drafts(inputs.req_ids, sampled) if self.drafter is not None else None
         self.last_step_seconds = time.perf_counter() - start
         return ModelRunnerOutput(inputs.req_ids, {rid: i for i, rid in enumerate(inputs.req_ids)}, sampled, logprobs,
@@ -420,6 +528,9 @@ class ModelRunner:
         return drafts
 
     def remove_requests(self, request_ids) -> None:
-        """Drop the runner's state of these requests (the engine calls it as soon as they finish)."""
+        """Drop the runner's state of these requests, in the persistent batch too (the engine calls it as soon as
+        they finish; the next step's ``finished_req_ids`` names them again, which is then a no-op)."""
         for rid in request_ids:
             self.requests.pop(rid, None)
+            self.input_batch.remove_request(rid)
+        self.input_batch.condense()

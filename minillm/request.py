@@ -99,6 +99,12 @@ class Request:
         # Speculative decoding: draft tokens proposed after the last step, verified in the next one. They are not
         # part of all_token_ids until the model accepts them.
         self.spec_token_ids: list[int] = []
+        # Async scheduling (AsyncScheduler): tokens that steps already scheduled will produce but that have not come
+        # back yet. num_computed_tokens counts them, num_tokens does not (vLLM's num_output_placeholders).
+        self.num_output_placeholders = 0
+        # Prompt tokens found computed at admission (prefix cache + KV connector), reported with every output; -1
+        # until admitted (vLLM's Request.num_cached_tokens).
+        self.num_cached_tokens = -1
 
     @property
     def all_token_ids(self) -> list[int]:

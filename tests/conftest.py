@@ -70,3 +70,37 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     setattr(item, f"rep_{rep.when}", rep)
 
+
+
+def _live_children() -> list:
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            # Python's own helper that outlives every spawn, and exits with us: not a process of ours.
+            helper = "multiprocessing.resource_tracker" in " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and not helper:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_left_behind():
+    """When the run ends, no process of ours is left: every test that starts one (an engine core, ranks, a
+    server, a kernel) stops it. Checked in each xdist worker (a failure here is an error of the last test)."""
+    import time
+
+    yield
+    deadline = time.monotonic() + 20  # a core or a rank told to stop may take a moment to exit
+    while (left := _live_children()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    described = []
+    for p in left:
+        try:
+            described.append(f"pid {p.pid}: {' '.join(p.cmdline())[:160]}")
+        except Exception:  # noqa: BLE001 - it exited while we looked
+            pass
+    assert not described, "processes left running after the tests:\n" + "\n".join(described)

@@ -168,3 +168,69 @@ def test_min_tokens_with_ignore_eos_equals_transformers_min_new_tokens(smollm, h
     # raw logits are transformers' before its min-new-tokens mask, so at EOS positions the tie check looks at EOS
     # against the runner-up; an exact match never reaches that check.
     check_greedy_match(tokens, ref, raw, what="min_tokens with ignore_eos")
+
+
+def serve_through_the_core_process(model, tokenizer, prompts, per_step, asyncio_mode: bool, **engine_args):
+    """:func:`serve` with the engine core in its own process: ``SyncMPClient`` stepped here, or ``AsyncMPClient``
+    under ``AsyncLLM`` with arrivals staggered in time. Returns the token ids per prompt and the engine's stats."""
+    engine = LLMEngine(model, tokenizer, EngineArgs(**engine_args), multiprocess_mode=True, asyncio_mode=asyncio_mode)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        if asyncio_mode:
+            import asyncio
+
+            from minillm.engine.async_llm import AsyncLLM
+
+            llm = AsyncLLM(engine)
+
+            async def one(i, p):
+                await asyncio.sleep(0.05 * (i // (per_step or len(prompts))))
+                async for out in llm.generate(str(i), p, params):
+                    final = out
+                return final.outputs[0].token_ids
+
+            async def main():
+                return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+            tokens = asyncio.run(main())
+        else:
+            tokens = serve_staggered(engine, prompts, per_step, params)
+        assert engine.get_num_free_blocks() == engine.num_gpu_blocks - 1
+        return tokens, engine.engine_core.call_utility("get_stats")["engine"]
+    finally:
+        engine.shutdown()
+
+
+def serve_staggered(engine, prompts, per_step, params):
+    pending = list(enumerate(prompts))
+    tokens: dict[int, list[int]] = {}
+    while pending or engine.has_unfinished_requests():
+        for i, p in pending[:per_step or len(pending)]:
+            engine.add_request(str(i), p, params)
+        pending = pending[per_step or len(pending):]
+        for out in engine.step():
+            if out.finished:
+                tokens[int(out.request_id)] = out.outputs[0].token_ids
+    return [tokens[i] for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client,async_scheduling", [("SyncMPClient", None), ("SyncMPClient", False),
+                                                     ("AsyncMPClient", None)],
+                         ids=["SyncMPClient, async scheduling", "SyncMPClient, sync", "AsyncMPClient (AsyncLLM)"])
+def test_greedy_equals_transformers_through_the_engine_core_process(smollm, prompts, reference, client,
+                                                                    async_scheduling):
+    """The same oracle, with the engine core in its own process (the default of ``LLM`` and ``serve``): chunks of
+    64 with staggered arrivals and prefix hits, then a KV cache small enough to force preemption."""
+    asyncio_mode = client == "AsyncMPClient"
+    engine_args, per_step = CONFIGS["chunks of 64, staggered"]
+    outputs, stats = serve_through_the_core_process(*smollm, prompts, per_step, asyncio_mode,
+                                                    async_scheduling=async_scheduling, **engine_args)
+    check_all(outputs, reference, range(len(prompts)), f"{client}, chunks of 64")
+    assert stats["num_cached_prompt_tokens"] > 0
+    outputs, stats = serve_through_the_core_process(*smollm, prompts, None, asyncio_mode,
+                                                    async_scheduling=async_scheduling, max_num_batched_tokens=512,
+                                                    max_model_len=256, block_size=16, num_gpu_blocks=32,
+                                                    long_prefill_token_threshold=128)
+    assert stats["num_preemptions"] > 0
+    check_all(outputs, reference, range(len(prompts)), f"{client}, forced preemption")

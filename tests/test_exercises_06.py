@@ -262,10 +262,10 @@ def test_check_62_fails_an_answer_that_calls_the_engines_step(shared_model):
         return engine.step()
 
     def delegating_inner(engine):
-        return engine._run_scheduled_step(engine.scheduler.schedule())
+        return engine.engine_core.engine_core.step()[0]
 
-    for wrong in (delegating, delegating_inner):
-        _assert_caught(run_check(SOLUTION, "6.2", my_step=wrong), "asks you to write this yourself", "LLMEngine.")
+    for wrong, name in ((delegating, "LLMEngine.step"), (delegating_inner, "EngineCore.step")):
+        _assert_caught(run_check(SOLUTION, "6.2", my_step=wrong), "asks you to write this yourself", name)
 
 
 def step_finishing_stop_strings_as(status):

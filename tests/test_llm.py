@@ -16,10 +16,17 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
-@pytest.fixture(scope="module")
-def llm(smollm):
+@pytest.fixture(scope="module", params=["engine-core process", "in-process"])
+def llm(smollm, request):
+    """``LLM``'s default (the engine core in its own process, async scheduling) and the in-process engine
+    (``MINILLM_ENABLE_V1_MULTIPROCESSING=0``): every test below holds for both."""
     model, tok = smollm
-    return LLM(model, tokenizer=tok, num_gpu_blocks=64, max_model_len=512, max_num_batched_tokens=256)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINILLM_ENABLE_V1_MULTIPROCESSING", "1" if request.param == "engine-core process" else "0")
+        llm = LLM(model, tokenizer=tok, num_gpu_blocks=64, max_model_len=512, max_num_batched_tokens=256)
+    assert llm.llm_engine.multiprocess_mode is (request.param == "engine-core process")
+    yield llm
+    llm.shutdown()
 
 
 def _free(llm: LLM) -> bool:
@@ -114,7 +121,11 @@ def tiny_llms():
     answers cannot come from blocks an interrupted step left behind."""
     from tests.engine_helpers import tiny_model
 
-    return LLM(tiny_model(), **TINY_ARGS), LLM(tiny_model(), enable_prefix_caching=False, **TINY_ARGS)
+    # In-process: the interrupts are planted in the scheduler, the runner and the output processor of this process
+    # (tests/test_engine_core_process.py interrupts an engine whose core has its own process).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINILLM_ENABLE_V1_MULTIPROCESSING", "0")
+        return LLM(tiny_model(), **TINY_ARGS), LLM(tiny_model(), enable_prefix_caching=False, **TINY_ARGS)
 
 
 def _tiny_prompts(salt: int) -> list[list[int]]:

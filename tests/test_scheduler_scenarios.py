@@ -481,3 +481,65 @@ def test_compare_schedulers_catches_a_forgotten_preemption_count():
     assert compare_schedulers(Scheduler, num_workloads=20) > 0
     with pytest.raises(AssertionError, match="num_preemptions"):
         compare_schedulers(ForgetsToCount, num_workloads=20)
+
+
+class _NeverArrives:
+    """A KV connector's scheduler side for which request ``"remote"``'s K/V is always still on its way."""
+
+    def bind_kv_cache_manager(self, kv_cache_manager):
+        pass
+
+    def on_new_request(self, request):
+        pass
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return (None, False) if request.request_id == "remote" else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return None
+
+    def request_finished(self, request, block_ids):
+        return False, None
+
+    def update_connector_output(self, kv_output):
+        pass
+
+
+def test_num_waiting_for_remote_kvs_is_never_stale_after_a_preempting_step():
+    """It counts the waiting requests whose K/V has not arrived. A step that preempts runs no waiting pass: a
+    request aborted just before such a step must still leave the count (it used to stay at its old value)."""
+    from minillm.config import SchedulerConfig
+    from minillm.core.sched.scheduler import Scheduler
+    from minillm.request import Request, RequestStatus
+    from minillm.sampling_params import SamplingParams
+
+    def drive(abort_before: int | None) -> tuple[int, Scheduler]:
+        """Decode "a" and "b" while "remote" waits; returns the step that preempted, and the scheduler then."""
+        config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=32)
+        sched = Scheduler(config, num_gpu_blocks=10, block_size=4)  # 9 usable blocks = 36 tokens
+        sched.set_kv_connector(_NeverArrives())
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        sched.add_request(Request("remote", list(range(8)), params))
+        for rid in ("a", "b"):
+            sched.add_request(Request(rid, list(range(50, 66)), params))
+        for step in range(40):
+            if step == abort_before:
+                sched.finish_requests(["remote"], RequestStatus.FINISHED_ABORTED)
+            so = sched.schedule()
+            if so.preempted_req_ids:
+                return step, sched
+            assert sched.num_waiting_for_remote_kvs == (1 if abort_before is None or step < abort_before else 0)
+            for rid in so.num_scheduled_tokens:
+                r = sched.requests[rid]
+                if r.num_computed_tokens >= r.num_tokens:
+                    r.append_output_token_ids(1)
+        raise AssertionError("no step preempted")
+
+    preempting_step, sched = drive(None)
+    assert preempting_step > 0 and sched.num_waiting_for_remote_kvs == 1   # "remote" still waits
+    step, sched = drive(abort_before=preempting_step)
+    assert step == preempting_step and "remote" not in sched.requests
+    assert sched.num_waiting_for_remote_kvs == 0

@@ -49,7 +49,7 @@ def engine_args_seen(monkeypatch) -> list[EngineArgs]:
     """``LLMEngine.from_engine_args`` records its arguments and stops with a Ctrl-C where it would load the model."""
     seen: list[EngineArgs] = []
 
-    def stop_before_loading(cls, engine_args):
+    def stop_before_loading(cls, engine_args, **kwargs):
         seen.append(engine_args)
         raise KeyboardInterrupt
 

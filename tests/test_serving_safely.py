@@ -367,3 +367,39 @@ def test_bad_serve_arguments_fail_before_the_model_loads(tmp_path, capsys, args,
     out = capsys.readouterr()
     assert code == 2, out.err[-2000:]
     assert message in out.err and "Traceback" not in out.err and "serving" not in out.out, out.err
+
+
+@pytest.mark.slow
+def test_a_dead_engine_core_gives_503_and_health_says_so(tiny_checkpoint):
+    """``serve`` runs the engine core in a process of its own. Killed mid-request: the request in flight gets a
+    503 with a JSON body, so does every new one, ``/health`` answers 503, and the server stops cleanly after."""
+    import psutil
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(tiny_checkpoint, "--port", str(port))
+    try:
+        _wait_up(proc, url)
+        cores = [p for p in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(cores) == 1, cores  # the engine core
+        got: dict = {}
+        worker = threading.Thread(target=lambda: got.update(r=httpx.post(
+            url + "/v1/completions", timeout=60, json={"prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True})))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/debug/kv_cache").json()["num_steps"] < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        cores[0].kill()
+        worker.join(10)
+        assert got["r"].status_code == 503 and got["r"].json()["error"]["code"] == "engine_dead", got["r"].text
+        assert "died unexpectedly" in got["r"].json()["error"]["message"]
+        new = httpx.post(url + "/v1/completions", timeout=10, json={"prompt": [4, 5], "max_tokens": 3})
+        assert new.status_code == 503 and new.json()["error"]["code"] == "engine_dead", new.text
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -128,7 +128,7 @@ def disaggregated_worker(ctx: Any, model: str, prompts: list[list[int]], max_tok
     worker = engine.kv_connector_worker
     stats = engine.stats
     return {"role": "prefill" if producer else "decode", "outputs": outputs if not producer else {},
-            "stats": {k: getattr(stats, k) for k in stats.__dataclass_fields__},
+            "stats": {k: getattr(stats, k) for k in stats.__struct_fields__},
             "connector_stats": dict(worker.stats), "bytes_sent": worker.bytes_sent,
             "bytes_received": worker.bytes_received, "free_blocks": engine.get_num_free_blocks(),
             "num_blocks": engine.num_gpu_blocks, "trace": trace, "wall_s": time.perf_counter() - t0}

@@ -125,6 +125,12 @@ class EngineArgs:
             ``"float16"`` (also ``fp32``, ``bf16``, ``fp16``, ``half``).
         device: ``"cpu"``, ``"cuda"``; ``None``: a GPU if there is one.
         seed: seeds the global generator that unseeded random sampling uses.
+        async_scheduling: schedule step N+1 while step N runs (:mod:`minillm.core.sched.async_scheduler`).
+            ``None`` (default): vLLM v0.33.0's rule, on unless something incompatible is configured (n-gram
+            speculative decoding), for the engine core in its own process (``LLM``, ``serve``, ``bench``). The
+            in-process engine the notebooks build with ``LLMEngine(model, ...)`` to look inside stays synchronous
+            unless asked, so that each ``step()`` is one plan and its outputs. ``True`` with n-gram drafts raises
+            vLLM's error.
     """
 
     model: str | None = None
@@ -146,6 +152,7 @@ class EngineArgs:
     dtype: str | torch.dtype | None = None
     device: str | None = None
     seed: int = 0
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -197,12 +204,44 @@ class EngineArgs:
         self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None (vLLM's rule), got "
+                             f"{self.async_scheduling!r}")
+        self.resolved_async_scheduling(multiprocess=True)  # an explicit True must be possible
         device = self.device or default_device()
         if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA device")
         parse_dtype(self.dtype, device)
+
+    def async_scheduling_incompatibility(self) -> str | None:
+        """What configured here rules async scheduling out, as vLLM v0.33.0 words it; ``None`` if nothing."""
+        if self.speculative_config is not None:
+            # vLLM's V1 runner runs async scheduling with EAGLE, draft models and "ngram_gpu" only.
+            return f"{self.speculative_config['method']}-based speculative decoding"
+        return None
+
+    def resolved_async_scheduling(self, multiprocess: bool) -> bool:
+        """Whether the engine core schedules one step ahead (see ``async_scheduling``).
+
+        vLLM v0.33.0's rule (``vllm/config/vllm.py:VllmConfig.__post_init__``): an explicit ``True`` fails on an
+        incompatible option with ``"Async scheduling is not supported by the V1 model runner with ..."``;
+        ``None`` turns it on unless such an option is set. minillm applies ``None``'s rule to the engine core in its
+        own process, and keeps the in-process engine (``multiprocess=False``) synchronous.
+
+        Raises:
+            ValueError: ``async_scheduling=True`` with an incompatible option.
+        """
+        incompatible = self.async_scheduling_incompatibility()
+        if self.async_scheduling:
+            if incompatible is not None:
+                raise ValueError(f"Async scheduling is not supported by the V1 model runner with {incompatible}. "
+                                 f"Leave async_scheduling unset (or False, --no-async-scheduling) to use it.")
+            return True
+        if self.async_scheduling is None:
+            return multiprocess and incompatible is None
+        return False
 
     # -- what depends on the model -------------------------------------------------------------------------------
     def resolved_device(self) -> str:

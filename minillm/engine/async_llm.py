@@ -1,25 +1,25 @@
-"""One engine, many clients: the engine runs in a background thread; asyncio code submits requests and awaits outputs.
+"""One engine, many clients: asyncio code submits requests and awaits their outputs, streamed as they come.
 
-:class:`~minillm.engine.llm_engine.LLMEngine` is not thread-safe and its ``step()`` blocks for the time of one
-forward pass. A server has many connections, each an asyncio task. :class:`AsyncLLM` puts the two together:
+Two ways to run the engine underneath, one API (:meth:`AsyncLLM.generate`, :meth:`AsyncLLM.abort`):
 
-* one **engine thread** owns the engine: it alone calls ``add_request``, ``abort_request`` and ``step``. While
-  there is work it loops ``step()``; when idle it sleeps until a command arrives;
-* asyncio tasks talk to it through a thread-safe **command queue** (add a request, abort requests, stop);
-* each request gets a :class:`RequestOutputCollector`, an ``asyncio.Queue`` on the caller's event loop. After
-  each step the engine thread hands every ``RequestOutput`` to its request's queue with
-  ``loop.call_soon_threadsafe`` (asyncio queues are not thread-safe themselves);
-* a consumer that stops listening (a client disconnects, the task is cancelled, the iterator is closed) aborts
-  its request, and the engine frees the request's KV blocks at once.
+* **The engine core in its own process** (:meth:`AsyncLLM.from_engine_args`, what ``python -m minillm serve``
+  runs; vLLM's only way). The front end lives on the event loop: ``add_request`` checks and tokenizes the request
+  (raising its ``ValueError`` at once), registers it with the output processor and sends it to the core through
+  an :class:`~minillm.engine.core_client.AsyncMPClient`; one **output handler** task awaits the core's outputs,
+  detokenizes them, aborts the requests a stop string ended, and hands each ``RequestOutput`` to its request's
+  queue. The core never waits for the event loop, and the event loop never waits for a step.
+* **An engine object in this process** (``AsyncLLM(engine)``: an in-process ``LLMEngine``, or anything with its
+  methods): one **engine thread** owns it and alone calls ``add_request``, ``abort_request`` and ``step``; asyncio
+  tasks talk to it through a thread-safe command queue, and it hands outputs back with
+  ``loop.call_soon_threadsafe``.
 
-Continuous batching needs nothing more: requests added between two steps join the next one.
+Either way each request gets a :class:`RequestOutputCollector` (an ``asyncio.Queue`` on the caller's loop), and a
+consumer that stops listening (a client disconnects, the task is cancelled, the iterator is closed) aborts its
+request, whose KV blocks the core frees at once. Requests added between two steps join the next one.
 
-vLLM counterpart: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``, ``shutdown``) and
-``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``. vLLM runs the engine core in another
-*process* (``EngineCoreClient`` over ZMQ) so that tokenization, detokenization and HTTP never wait on the GIL,
-and that process by default schedules each step while the previous one runs (async scheduling, ``AsyncScheduler``);
-here a thread is enough, because the heavy work (the model) runs in PyTorch, which releases the GIL, and its loop
-is the synchronous one of :class:`~minillm.engine.llm_engine.LLMEngine`.
+vLLM counterpart: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``add_request``, ``output_handler``
+in ``_run_output_handler``, ``abort``, ``shutdown``) and ``RequestOutputCollector`` in
+``vllm/v1/engine/output_processor.py``.
 """
 from __future__ import annotations
 
@@ -30,11 +30,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
+import msgspec
+
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shut down, or ``step()`` raised); no request can be served."""
+from minillm.engine import EngineDeadError, SchedulerStats  # noqa: E402  (one error, thread or process)
 
 
 # Items on a collector's queue besides RequestOutput objects.
@@ -137,7 +138,13 @@ class AsyncLLM:
     """
 
     def __init__(self, engine: Any, start: bool = True) -> None:
+        from minillm.engine.core_client import AsyncMPClient
+
         self.engine = engine
+        # The engine core in another process behind an asyncio client: no engine thread, an output handler task.
+        self._client: AsyncMPClient | None = (engine.engine_core if isinstance(getattr(engine, "engine_core", None),
+                                                                               AsyncMPClient) else None)
+        self._output_handler: asyncio.Task | None = None
         # Read-only facts the server needs outside the engine thread (set once, never changed by the engine).
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.max_model_len: int | None = getattr(engine, "max_model_len", None)
@@ -149,7 +156,9 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._stop = threading.Event()
         self.stats = AsyncLLMStats()  # the engine thread publishes the real numbers as soon as it starts
-        if start:
+        if self._client is not None:
+            self._publish_stats()
+        elif start:
             self.start()
 
     @classmethod
@@ -157,16 +166,18 @@ class AsyncLLM:
         """Build the ``LLMEngine`` from :class:`~minillm.engine.arg_utils.EngineArgs` and wrap it."""
         from minillm.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(engine_args), start=start)
+        return cls(LLMEngine.from_engine_args(engine_args, asyncio_mode=True), start=start)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @property
     def is_running(self) -> bool:
+        if self._client is not None:
+            return self._dead is None and not self._client.is_dead
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     @property
     def errored(self) -> bool:
-        return self._dead is not None
+        return self._dead is not None or (self._client is not None and self._client.is_dead)
 
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
@@ -178,7 +189,20 @@ class AsyncLLM:
                 self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread after its current step; unfinished requests end (their iterators stop)."""
+        """Stop the engine thread after its current step, or the engine-core process; unfinished requests end
+        (their iterators stop)."""
+        if self._client is not None:
+            if self._dead is None:
+                self._dead = EngineDeadError("the engine was shut down")
+            handler, self._output_handler = self._output_handler, None
+            if handler is not None and not handler.done():  # shutdown may come from another thread (serve's)
+                try:
+                    handler.get_loop().call_soon_threadsafe(handler.cancel)
+                except RuntimeError:  # its loop is closed: the task will never run again anyway
+                    pass
+            self._end_all(_END)
+            self.engine.shutdown()
+            return
         with self._start_lock:
             thread = self._thread
             if self._dead is None:
@@ -203,6 +227,8 @@ class AsyncLLM:
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self._dead}")
+        if self._client is not None:
+            return await self._add_request_mp(request_id, prompt, params, priority)
         self.start()
         collector = RequestOutputCollector(request_id, asyncio.get_running_loop())
         self._commands.put(("add", collector, prompt, params, priority))
@@ -244,8 +270,48 @@ class AsyncLLM:
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests (thread-safe, returns at once). Unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if ids and self._thread is not None and self._thread.is_alive():
+        if self._client is not None:
+            self._handle_abort(ids)
+        elif ids and self._thread is not None and self._thread.is_alive():
             self._commands.put(("abort", ids))
+
+    # ------------------------------------------------------------------------------------------ engine-core process
+    async def _add_request_mp(self, request_id: str, prompt: Any, params: Any, priority: int
+                              ) -> RequestOutputCollector:
+        """Check and tokenize here (a bad request never reaches the core), then send it."""
+        self._client._check_alive()
+        engine = self.engine
+        request, prompt_text = engine.process_inputs(request_id, prompt, params, priority=priority)
+        collector = RequestOutputCollector(request_id, asyncio.get_running_loop())
+        engine.output_processor.add_request(request_id, prompt_text, request.prompt_token_ids,
+                                            request.sampling_params)
+        self._collectors[request_id] = collector
+        try:
+            await self._client.add_request_async(request)
+        except BaseException:
+            engine.output_processor.abort_requests([request_id])
+            self._collectors.pop(request_id, None)
+            raise
+        self._counts["total"] += 1
+        if self._output_handler is None:
+            self._output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
+        return collector
+
+    async def _run_output_handler(self) -> None:
+        """The one task that takes the core's outputs: detokenize, abort stop-string finishes, deliver."""
+        try:
+            while True:
+                outputs = await self._client.get_output_async()
+                self._counts["steps"] += 1
+                self._dispatch(self.engine._process_engine_outputs(outputs))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - EngineDeadError, or a bug: every waiter must hear it
+            if not isinstance(e, EngineDeadError):
+                logger.exception("the output handler failed; every request in flight is failed with the error")
+                e = EngineDeadError(f"the engine failed: {type(e).__name__}: {e}")
+            self._dead = e
+            self._end_all(e)
 
     # ------------------------------------------------------------------------------------------ engine thread
     def _run_engine_loop(self) -> None:
@@ -353,7 +419,28 @@ class AsyncLLM:
             if cmd[0] == "add":
                 cmd[1]._accept(EngineDeadError(f"the engine has stopped: {self._dead}"))
 
+    async def get_stats(self) -> AsyncLLMStats:
+        """The stats now. With the engine core in another process they are asked of it (a utility call, answered
+        after every message sent before it, aborts included), not the snapshot of its last step."""
+        if self._client is not None and not self.errored:
+            try:
+                self._client.stats = msgspec.convert(await self._client.call_utility_async("get_stats", timeout=10),
+                                                     SchedulerStats)
+            except EngineDeadError:
+                pass
+            self._publish_stats()
+        return self.stats
+
     def _publish_stats(self) -> None:
+        if self._client is not None:
+            sched = self._client.stats
+            self.stats = AsyncLLMStats(
+                num_blocks=sched.num_blocks, num_free_blocks=sched.num_free_blocks,
+                kv_cache_usage=sched.kv_cache_usage,
+                num_unfinished_requests=self.engine.get_num_unfinished_requests(),
+                num_requests_total=self._counts["total"], num_finished=self._counts["finished"],
+                num_aborted=self._counts["aborted"], num_steps=sched.engine.num_steps)
+            return
         kv = getattr(self.engine, "kv_cache_manager", None)
         try:
             unfinished = self.engine.get_num_unfinished_requests()

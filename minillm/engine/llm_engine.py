@@ -1,36 +1,38 @@
-"""The engine: requests in, a step loop, outputs out. Where the scheduler, the model runner and the sampler meet.
+"""The engine's front end: requests in, outputs out, and the engine core (scheduler + model) behind a client.
 
 One :meth:`LLMEngine.step`::
 
-    scheduler.schedule()              -> SchedulerOutput      which requests run, how many tokens each
-    model_runner.execute_model(...)   -> ModelRunnerOutput    flat batch -> model -> logits at logits_indices -> sample
-                                                              (a row per request; mid-prefill rows discarded)
-    scheduler.update_from_output(...) -> EngineCoreOutputs    append tokens, check_stop, free finished blocks
+    engine_core.get_output()          -> EngineCoreOutputs    the core's next step (EngineCore.step):
+        scheduler.schedule()              -> SchedulerOutput      which requests run, how many tokens each
+        executor.execute_model(...)       -> ModelRunnerOutput    flat batch -> model -> logits -> sample
+        scheduler.update_from_output(...) -> EngineCoreOutputs    append tokens, check_stop, free finished blocks
     output_processor.process_outputs  -> RequestOutputs       detokenize, stop strings, streaming deltas
 
 Continuous batching falls out of it: requests join (``add_request``) and leave (finish, ``abort_request``) between
 any two steps, and every step runs whatever mix of prefill chunks and decodes the scheduler chose, in one pass.
 
-vLLM counterpart: ``vllm/v1/engine/llm_engine.py`` (``LLMEngine``) driving ``vllm/v1/engine/core.py``
-(``EngineCore.step``), with the input checks of ``vllm/v1/engine/input_processor.py`` (``InputProcessor``; older
-releases called it ``Processor``, in ``processor.py``). Here the step is one synchronous loop in the caller's
-process. vLLM v0.33.0 runs it differently by default, in two ways:
+The front end keeps what needs the tokenizer: checking and tokenizing requests (:meth:`LLMEngine.process_inputs`,
+vLLM's ``InputProcessor``) and detokenizing outputs (:class:`~minillm.engine.output_processor.OutputProcessor`). The
+engine core (:mod:`minillm.engine.core`) is reached through a client (:mod:`minillm.engine.core_client`):
 
-* the engine core (scheduler, executor, model) runs in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=1``,
-  ``vllm/envs.py``; ``SyncMPClient`` in ``vllm/v1/engine/core_client.py``), so vLLM's ``LLMEngine.step`` only collects
-  that process's outputs, detokenizes them and aborts the requests a stop string ended, while the model runs on;
-* async scheduling is on unless something incompatible is configured (``vllm/config/vllm.py``:
-  ``VllmConfig.__post_init__``): ``EngineCore.step_with_batch_queue`` has ``AsyncScheduler`` schedule step N+1 while
-  step N runs.
+* ``LLMEngine(model, tokenizer, args)`` builds the core in this process (``InprocClient``): ``engine.scheduler``,
+  ``engine.model_runner`` and ``engine.last_scheduler_output`` are there to look at, and each ``step()`` runs one
+  synchronous step. The notebooks and the capstone use it.
+* ``LLMEngine.from_engine_args(args)`` (what ``LLM`` calls) starts the core in a process of its own
+  (``SyncMPClient``, ``MINILLM_ENABLE_V1_MULTIPROCESSING=1``, the default) with async scheduling on unless something
+  incompatible is configured; ``step()`` then collects the outputs of steps the core runs on its own, while this
+  process detokenizes.
 
-The loop here is ``EngineCore.step``, what vLLM runs with ``async_scheduling=False``, called in the caller's
-process as ``InprocClient`` does (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+vLLM counterpart: ``vllm/v1/engine/llm_engine.py`` (``LLMEngine.__init__`` with its ``multiprocess_mode``
+argument, ``LLMEngine.from_engine_args``, ``LLMEngine.step``, which calls the client's ``get_output``, the output
+processor's ``process_outputs`` and the client's ``abort_requests`` for the requests a stop string ended), with the
+input checks of ``vllm/v1/engine/input_processor.py`` (``InputProcessor.process_inputs``).
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,12 +40,15 @@ import torch
 from minillm.config import LlamaConfig
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.sched.scheduler import Scheduler
+from minillm.engine import EngineCoreOutputs, EngineCoreRequest, EngineStats
 from minillm.engine.arg_utils import EngineArgs
+from minillm.engine.core import EngineCore
+from minillm.engine.core_client import AsyncMPClient, EngineCoreClient, InprocClient
 from minillm.engine.output_processor import OutputProcessor
-from minillm.engine.parts import EngineParts
 from minillm.engine.outputs import RequestOutput
+from minillm.engine.parts import EngineParts
 from minillm.model.llama import LlamaForCausalLM
-from minillm.request import Request, RequestStatus
+from minillm.request import RequestStatus
 from minillm.sampling_params import SamplingParams
 from minillm.worker.model_runner import ModelRunner
 
@@ -58,113 +63,150 @@ def short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-@dataclass
-class EngineStats:
-    """Counters since the engine was created (for tests, benchmarks and the notebook).
-
-    Attributes:
-        num_steps: steps that ran the model.
-        num_scheduled_tokens: tokens computed (prefill chunks + decodes), summed over steps.
-        num_generated_tokens: tokens appended to requests.
-        num_preemptions: requests preempted (by recompute).
-        num_cached_prompt_tokens: prompt tokens served from the prefix cache at admission.
-        num_draft_tokens / num_accepted_tokens: speculative decoding's drafts verified, and those the model kept.
-        num_external_prompt_tokens: prompt tokens a KV connector loaded from another engine at admission
-            (chapter 9), counted as computed like prefix-cache hits.
-    """
-
-    num_steps: int = 0
-    num_scheduled_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    num_cached_prompt_tokens: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_external_prompt_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Fraction of the verified drafts that were kept (``nan`` before any draft)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
-
-
 class LLMEngine:
-    """Continuous batching over a paged KV cache on one model.
+    """Continuous batching over a paged KV cache on one model: the front end, and a client to the engine core.
 
     Args:
-        model: a loaded :class:`~minillm.model.llama.LlamaForCausalLM`.
+        model: a loaded :class:`~minillm.model.llama.LlamaForCausalLM`; ``None`` only with ``multiprocess_mode``
+            (the core then loads ``engine_args.model`` itself).
         tokenizer: its Hugging Face tokenizer, or ``None`` (then prompts must be token ids and ``text`` is empty).
         engine_args: the configuration (:class:`~minillm.engine.arg_utils.EngineArgs`); ``model``, ``dtype`` and
-            ``device`` in it are ignored here since the model is already loaded (see :meth:`from_engine_args`).
+            ``device`` in it are ignored when ``model`` is given (see :meth:`from_engine_args`).
         parts: the engine's replaceable parts (:class:`~minillm.engine.parts.EngineParts`): attention, the KV cache
             manager's functions, the scheduler class, top-k/top-p, the stop check and ``prepare_inputs``. Default:
-            the package's own. Chapter 8 passes a learner's answers here.
+            the package's own. Chapter 8 passes a learner's answers here (in-process only).
+        multiprocess_mode: run the engine core in its own process (``SyncMPClient``); default ``False``: in this
+            process (``InprocClient``), as vLLM's ``LLMEngine.__init__`` defaults too.
+        asyncio_mode: with ``multiprocess_mode``, an :class:`~minillm.engine.core_client.AsyncMPClient` (for
+            :class:`~minillm.engine.async_llm.AsyncLLM`, which then awaits the outputs; ``step()`` is not used).
 
     Raises:
         ValueError: a bad argument, or a KV cache too small to hold one request of ``max_model_len`` tokens.
+        RuntimeError: the engine-core process failed to start (its error is in the message).
     """
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Any = None, engine_args: EngineArgs | None = None,
-                 parts: EngineParts | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM | None, tokenizer: Any = None, engine_args: EngineArgs | None = None,
+                 parts: EngineParts | None = None, multiprocess_mode: bool = False,
+                 asyncio_mode: bool = False) -> None:
         args = engine_args if engine_args is not None else EngineArgs()
         if not isinstance(args, EngineArgs):
             raise ValueError(f"engine_args must be an EngineArgs, got {type(args).__name__}")
         if parts is not None and not isinstance(parts, EngineParts):
             raise ValueError(f"parts must be an EngineParts, got {type(parts).__name__}")
-        self.parts = parts if parts is not None else EngineParts()
+        if model is None and not multiprocess_mode:
+            raise ValueError("give a loaded model, or multiprocess_mode=True to have the engine core load "
+                             "engine_args.model (LLMEngine.from_engine_args does)")
+        if model is not None and not isinstance(model, LlamaForCausalLM):
+            raise ValueError(f"model must be a LlamaForCausalLM (or None), got {type(model).__name__}")
+        if multiprocess_mode and parts is not None and parts.replaced():
+            raise ValueError(f"replaced engine parts ({parts.replaced()}) run in-process only: "
+                             f"multiprocess_mode=False")
         self.engine_args = args
-        self.model = model.eval()
         self.tokenizer = tokenizer
-        self.model_config: LlamaConfig = model.config
-        self.scheduler_config = args.create_scheduler_config(model.config)
-        self.max_model_len = self.scheduler_config.max_model_len
-        self.num_gpu_blocks = args.resolved_num_gpu_blocks(model.config, self.max_model_len, model.dtype)
-        # Without an explicit choice, the backend follows where the model is (a CPU model on a machine that also has
-        # a GPU must not get the GPU's Triton kernels).
-        self.attention_backend = (args.attention_backend if args.attention_backend is not None
-                                  else "triton" if model.device.type == "cuda" else "torch")
-        if self.attention_backend == "triton":
-            import kernels  # noqa: F401  (switches on Triton's interpreter without a GPU before any kernel exists)
-        self.scheduler: Scheduler = self.parts.scheduler_cls(self.scheduler_config, self.num_gpu_blocks,
-                                                             args.block_size, args.enable_prefix_caching, self.parts)
-        # Chapter 9: a KV connector has two halves, one for the scheduler and one for the model runner.
-        self.kv_connector_scheduler = self.kv_connector_worker = None
-        if args.kv_transfer_config is not None:
-            from minillm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
-
-            make = KVConnectorFactory.create_connector
-            self.kv_connector_scheduler = make(args.kv_transfer_config, KVConnectorRole.SCHEDULER, model.config,
-                                               args.block_size)
-            self.kv_connector_worker = make(args.kv_transfer_config, KVConnectorRole.WORKER, model.config,
-                                            args.block_size)
-            self.scheduler.set_kv_connector(self.kv_connector_scheduler)
+        self.multiprocess_mode = multiprocess_mode
+        self.async_scheduling = args.resolved_async_scheduling(multiprocess_mode)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        self.eos_token_id: int | None = eos if eos is not None else model.config.eos_token_id
-        self.model_runner = ModelRunner(model, self.num_gpu_blocks, args.block_size, self.attention_backend,
-                                        eos_token_id=self.eos_token_id,
-                                        speculative_config=args.speculative_config, parts=self.parts,
-                                        kv_connector=self.kv_connector_worker)
+        self._core: EngineCore | None = None
+        if asyncio_mode and not multiprocess_mode:
+            raise ValueError("asyncio_mode needs multiprocess_mode=True (the engine core in its own process)")
+        if multiprocess_mode:
+            if model is not None:
+                model = model.eval()
+            self.engine_core: EngineCoreClient = EngineCoreClient.make_client(
+                multiprocess_mode=True, asyncio_mode=asyncio_mode, engine_args=args, model=model, eos_token_id=eos,
+                async_scheduling=self.async_scheduling)
+            ready = self.engine_core.ready
+            self.model_config = LlamaConfig(**ready["model_config"])
+            self.num_gpu_blocks: int = ready["num_gpu_blocks"]
+            self.attention_backend: str = ready["attention_backend"]
+        else:
+            self._core = EngineCore(model.eval(), args, parts, eos_token_id=eos,
+                                    async_scheduling=self.async_scheduling)
+            self.engine_core = InprocClient(self._core)
+            self.model_config = model.config
+            self.num_gpu_blocks = self._core.num_gpu_blocks
+            self.attention_backend = self._core.attention_backend
+        self.scheduler_config = args.create_scheduler_config(self.model_config)
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.eos_token_id: int | None = eos if eos is not None else self.model_config.eos_token_id
         self.output_processor = OutputProcessor(tokenizer)
-        self.stats = EngineStats()
-        self.last_scheduler_output: Any = None  # the latest step's plan (for inspection and teaching)
-        torch.manual_seed(args.seed)  # the global generator unseeded random sampling draws from
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        """Load the model (and tokenizer) that ``engine_args`` name, then build the engine."""
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool | None = None,
+                         asyncio_mode: bool = False) -> "LLMEngine":
+        """The engine that ``engine_args`` describe, model and tokenizer loaded.
+
+        Args:
+            multiprocess_mode: ``None``: ``MINILLM_ENABLE_V1_MULTIPROCESSING`` (default on). In its own process
+                the core loads the model; this process loads only the tokenizer.
+        """
         import minillm
+        from minillm.engine.core_client import multiprocessing_enabled
+        from minillm.loaders.load import load_model_tokenizer
         from minillm.tokenizer import load_tokenizer
 
+        if multiprocess_mode is None:
+            multiprocess_mode = multiprocessing_enabled()
+        if multiprocess_mode:
+            tokenizer = (load_tokenizer(engine_args.tokenizer) if engine_args.tokenizer is not None
+                         else load_model_tokenizer(engine_args.model))
+            return cls(None, tokenizer, engine_args, multiprocess_mode=True, asyncio_mode=asyncio_mode)
         model, tokenizer = minillm.load_model(engine_args.model, dtype=engine_args.resolved_dtype(),
                                               device=engine_args.resolved_device())
         if engine_args.tokenizer is not None:
             tokenizer = load_tokenizer(engine_args.tokenizer)
+        if asyncio_mode:
+            raise ValueError("asyncio_mode needs the engine core in its own process "
+                             "(MINILLM_ENABLE_V1_MULTIPROCESSING=1)")
         return cls(model, tokenizer, engine_args)
 
-    # -- properties the callers use ---------------------------------------------------------------------------------
+    # -- the engine core, when it lives in this process -------------------------------------------------------------
+    def _inproc(self, what: str) -> EngineCore:
+        if self._core is None:
+            raise AttributeError(f"LLMEngine.{what} lives in the engine-core process (pid "
+                                 f"{self.engine_core.ready['pid']}); build the engine in this process to look inside: "
+                                 f"LLMEngine(model, tokenizer, args), or MINILLM_ENABLE_V1_MULTIPROCESSING=0")
+        return self._core
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._inproc("scheduler").scheduler
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self._inproc("model_runner").model_runner
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        return self._inproc("model").model_runner.model
+
+    @property
+    def parts(self) -> EngineParts:
+        return self._inproc("parts").parts
+
     @property
     def kv_cache_manager(self) -> KVCacheManager:
         return self.scheduler.kv_cache_manager
+
+    @property
+    def last_scheduler_output(self) -> Any:
+        """The latest step's plan (for inspection and teaching)."""
+        return self._inproc("last_scheduler_output").last_scheduler_output
+
+    @property
+    def kv_connector_scheduler(self) -> Any:
+        return self._inproc("kv_connector_scheduler").kv_connector_scheduler
+
+    @property
+    def kv_connector_worker(self) -> Any:
+        return self._inproc("kv_connector_worker").kv_connector_worker
+
+    @property
+    def stats(self) -> EngineStats:
+        """The core's counters: the live object in-process, the latest step's snapshot from another process."""
+        if self._core is not None:
+            return self._core.stats
+        return self.engine_core.stats.engine
 
     @property
     def block_size(self) -> int:
@@ -173,7 +215,7 @@ class LLMEngine:
     def get_num_free_blocks(self) -> int:
         """Blocks free for allocation (cached-but-unused ones included). All of them when nothing runs:
         ``num_gpu_blocks - 1`` (the null block is never handed out)."""
-        return self.kv_cache_manager.num_free_blocks
+        return self.engine_core.call_utility("get_num_free_blocks")
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -233,20 +275,32 @@ class LLMEngine:
                              f"leave logprobs=None or create the engine without speculative_config")
         # A validated private copy: the caller may reuse (or mutate) its object for other requests.
         changes = {}
-        if params.max_tokens is None:
-            changes["max_tokens"] = self.max_model_len - prompt_len  # "until the context is full"
+        room = self.max_model_len - prompt_len
+        if params.max_tokens is None or params.max_tokens > room:
+            # "until the context is full"; a larger max_tokens would stop there too ("length"), and must not
+            # travel as an int msgpack cannot hold (the engine core may be in another process).
+            changes["max_tokens"] = room
+            changes["min_tokens"] = min(params.min_tokens, room)
+        if params.top_k >= vocab:
+            changes["top_k"] = 0  # "keep every token", as a k at least the vocabulary does
         return params.clone(**changes)
 
+    def _in_use(self, request_id: str) -> bool:
+        if request_id in self.output_processor.request_states:
+            return True
+        return self._core is not None and request_id in self._core.scheduler.requests
+
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                       priority: int = 0, arrival_time: float | None = None) -> tuple[Request, str | None]:
+                       priority: int = 0, arrival_time: float | None = None
+                       ) -> tuple[EngineCoreRequest, str | None]:
         """Check and tokenize one request without touching the engine's state; :meth:`add_request` queues it.
 
         Separate so that a caller adding a batch (:meth:`~minillm.entrypoints.llm.LLM.generate`) can check every
         request before adding any: a bad element then leaves nothing behind.
 
         Returns:
-            ``(request, prompt_text)``: the :class:`~minillm.request.Request` to queue and the prompt's text
-            (``None`` when it was given as token ids).
+            ``(request, prompt_text)``: the :class:`~minillm.engine.EngineCoreRequest` to send to the core and the
+            prompt's text (``None`` when it was given as token ids).
 
         Raises:
             ValueError: everything :meth:`add_request` lists.
@@ -256,7 +310,7 @@ class LLMEngine:
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {short_repr(request_id)}")
-        if request_id in self.output_processor.request_states or request_id in self.scheduler.requests:
+        if self._in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {short_repr(priority)}")
@@ -268,19 +322,22 @@ class LLMEngine:
                              f"within max_model_len ({self.max_model_len}); shorten the prompt or raise "
                              f"max_model_len")
         params = self._check_params(params, len(prompt_ids))
-        request = Request(request_id, prompt_ids, params, eos_token_id=self.eos_token_id, arrival_time=arrival_time,
-                          priority=priority)
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))):
+            raise ValueError(f"arrival_time must be a number of seconds, got {short_repr(arrival_time)}")
+        request = EngineCoreRequest(request_id, prompt_ids, params, self.eos_token_id,
+                                    time.time() if arrival_time is None else float(arrival_time), priority)
         return request, prompt_text
 
-    def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: PromptType | EngineCoreRequest,
+                    params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, prompt_text: str | None = None) -> None:
         """Queue a request; it runs from the next :meth:`step` on.
 
         Args:
             request_id: a unique, non-empty string (unique among unfinished requests).
             prompt: text (tokenized with the engine's tokenizer), a list of token ids, or a dict with
-                ``"prompt"`` or ``"prompt_token_ids"`` (vLLM's ``TextPrompt`` / ``TokensPrompt``); or a
-                :class:`~minillm.request.Request` that :meth:`process_inputs` returned for ``request_id`` (then
+                ``"prompt"`` or ``"prompt_token_ids"`` (vLLM's ``TextPrompt`` / ``TokensPrompt``); or an
+                :class:`~minillm.engine.EngineCoreRequest` that :meth:`process_inputs` returned (then
                 ``params``, ``priority`` and ``arrival_time`` are already in it, and ``prompt_text`` goes with it).
             params: how to sample and when to stop (default ``SamplingParams()``); ``max_tokens=None`` means
                 "until ``max_model_len``".
@@ -291,114 +348,64 @@ class LLMEngine:
                 ``max_model_len``, token ids outside the vocabulary (or not a list of ints), invalid sampling
                 parameters, or a request id that is not a non-empty string or is already in use.
         """
-        if isinstance(prompt, Request):
+        if isinstance(prompt, EngineCoreRequest):
             request = prompt
             if request.request_id != request_id:
                 raise ValueError(f"the processed request is {request.request_id!r}, not {request_id!r}")
-            if request_id in self.output_processor.request_states or request_id in self.scheduler.requests:
+            if self._in_use(request_id):
                 raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         else:
             request, prompt_text = self.process_inputs(request_id, prompt, params, priority, arrival_time)
         self.output_processor.add_request(request_id, prompt_text, request.prompt_token_ids, request.sampling_params)
         try:
-            self.scheduler.add_request(request)
+            self.engine_core.add_request(request)
         except BaseException:
             self.output_processor.abort_requests([request_id])
             raise
 
     def shutdown(self) -> None:
-        """Let a KV connector finish what it sends or waits for (chapter 9); a no-op without one."""
-        for connector in (self.kv_connector_worker, self.kv_connector_scheduler):
-            if connector is not None:
-                connector.shutdown()
+        """Stop the engine core: its process, or (in-process) the executor's thread and a KV connector's
+        transfers (chapter 9). The engine cannot be used afterwards when its core had its own process."""
+        self.engine_core.shutdown()
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now and free their KV blocks. Unknown or finished ids are ignored. No output is sent for
         them (the caller already knows)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.output_processor.abort_requests(ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        self.model_runner.remove_requests(ids)
+        self.engine_core.abort_requests(ids)
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        if self._core is not None:
+            return self._core.scheduler.has_unfinished_requests()
+        return self.output_processor.has_unfinished_requests()
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones whose K/V a connector is still sending (chapter 9): keep stepping
         until this is ``False`` to have every block back."""
-        return self.scheduler.has_requests()
+        if self._core is not None:
+            return self._core.has_requests()
+        return self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        if self._core is not None:
+            return self._core.scheduler.get_num_unfinished_requests()
+        return self.output_processor.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, update. Returns one :class:`RequestOutput` per request that got
-        new tokens or finished in this step (a request mid-prefill gets none)."""
-        if not self.scheduler.has_requests():
+        """Take the engine core's next step's outputs and turn them into :class:`RequestOutput` s: one per request
+        that got new tokens or finished (a request mid-prefill gets none). In-process this runs the step; with the
+        core in its own process it waits for the step the core is running anyway."""
+        if not self.has_requests():
             return []
-        scheduler_output = None
-        try:
-            scheduler_output = self.scheduler.schedule()
-            return self._run_scheduled_step(scheduler_output)
-        except BaseException:
-            # Ctrl-C (KeyboardInterrupt) or an error part-way through a step leaves the scheduler, the runner and
-            # the KV cache out of step with each other; drop the requests the step touched, so the engine stays
-            # usable.
-            try:
-                self._abandon_step(scheduler_output)
-            except Exception:  # noqa: BLE001 - never hide the original error behind one from the clean-up
-                logger.exception("cleaning up after a failed step failed too")
-            raise
+        if not hasattr(self.engine_core, "get_output") or isinstance(self.engine_core, AsyncMPClient):
+            raise RuntimeError("this engine's core client is asyncio's: AsyncLLM awaits its outputs, step() cannot")
+        return self._process_engine_outputs(self.engine_core.get_output())
 
-    def _abandon_step(self, scheduler_output: Any) -> None:
-        """Abort the requests a failed step scheduled (all of them when :meth:`Scheduler.schedule` itself failed),
-        and take the blocks that step was to fill out of the prefix cache: they were hashed when allocated, but
-        their K/V may never have been written, and a later prompt with the same prefix must not reuse them."""
-        pool = self.kv_cache_manager.block_pool
-        if scheduler_output is None:  # failed inside schedule(): any request may be half-scheduled, trust no block
-            scheduled = list(self.scheduler.requests)
-            for rid in scheduled:
-                pool.evict_cached_blocks(self.kv_cache_manager.get_blocks(rid))
-        else:
-            scheduled = list(scheduler_output.num_scheduled_tokens)
-            for rid, num_new in scheduler_output.num_scheduled_tokens.items():
-                request = self.scheduler.requests.get(rid)
-                if request is not None:  # blocks before the step's first token held K/V computed earlier
-                    first_unsure = max(request.num_computed_tokens - num_new, 0) // self.block_size
-                    pool.evict_cached_blocks(self.kv_cache_manager.get_blocks(rid)[first_unsure:])
-        self.abort_request(scheduled)
-
-    def _run_scheduled_step(self, scheduler_output: Any) -> list[RequestOutput]:
-        waiting_on_transfers = self.scheduler.num_waiting_for_remote_kvs or self.scheduler.pending_kv_sends
-        if scheduler_output.total_num_scheduled_tokens == 0 and not self.scheduler.running and not waiting_on_transfers:
-            # Nothing runs and the first waiting request cannot be admitted: no later step can change that.
-            raise RuntimeError(f"the engine cannot make progress: {self.get_num_unfinished_requests()} request(s) "
-                               f"wait but none fits the KV cache ({self.get_num_free_blocks()} free blocks)")
-        self.last_scheduler_output = scheduler_output
-        for new in scheduler_output.scheduled_new_reqs:
-            state = self.output_processor.request_states.get(new.req_id)
-            if state is not None:
-                state.num_cached_tokens = new.num_computed_tokens
-                self.stats.num_cached_prompt_tokens += new.num_computed_tokens - new.num_external_computed_tokens
-                self.stats.num_external_prompt_tokens += new.num_external_computed_tokens
-        runner_output = self.model_runner.execute_model(scheduler_output)
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, reqs_to_abort = self.output_processor.process_outputs(core_outputs, runner_output.logprobs)
-        if reqs_to_abort:  # stop strings: the scheduler still holds these requests and their blocks
-            self.scheduler.finish_requests(reqs_to_abort, RequestStatus.FINISHED_STOPPED)
-        finished = [o.request_id for o in outputs if o.finished]
-        self.model_runner.remove_requests(finished)
-        self.scheduler.update_draft_token_ids(runner_output)  # after the stops above: finished ones get none
-
-        if scheduler_output.total_num_scheduled_tokens:
-            self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
-        self.stats.num_generated_tokens += sum(len(o.new_token_ids) for o in core_outputs)
-        self.stats.num_preemptions += len(scheduler_output.preempted_req_ids)
-        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
-            if rid in runner_output.req_id_to_index:
-                self.stats.num_draft_tokens += len(drafts)
-                kept = len(runner_output.sampled_token_ids[runner_output.req_id_to_index[rid]]) - 1
-                self.stats.num_accepted_tokens += max(kept, 0)
-        return outputs
+    def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> list[RequestOutput]:
+        logprobs = {o.request_id: o.new_logprobs for o in outputs.outputs if o.new_logprobs is not None}
+        request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs, logprobs or None)
+        if reqs_to_abort:  # stop strings: the core still holds these requests and their blocks
+            self.engine_core.abort_requests(reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        return request_outputs

@@ -110,6 +110,7 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted by the user while the model ran
             new_ids = list(eco.new_token_ids)
+            state.num_cached_tokens = eco.num_cached_tokens
             finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
             state.token_ids.extend(new_ids)
             if logprobs is not None and state.logprobs is not None and eco.request_id in logprobs:

@@ -9,8 +9,8 @@
     outputs = llm.generate(["Hello, my name is", "The capital of France is"], SamplingParams(temperature=0))
     print(outputs[0].outputs[0].text)
 
-``generate`` adds every prompt to an :class:`~minillm.engine.llm_engine.LLMEngine`, then steps it until all are
-finished: continuous batching, chunked prefill, prefix caching and preemption all happen inside, configured by the
+``generate`` adds every prompt to an :class:`~minillm.engine.llm_engine.LLMEngine`, then collects its steps until all
+are finished: continuous batching, chunked prefill, prefix caching and preemption all happen inside, configured by the
 engine arguments given to ``LLM(...)``.
 
 vLLM counterpart: ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LLM.chat``); ``LLM`` inherits ``_run_engine``
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from minillm.engine.arg_utils import EngineArgs
+from minillm.engine.core_client import multiprocessing_enabled
 from minillm.engine.llm_engine import LLMEngine, PromptType, short_repr
 from minillm.engine.outputs import RequestOutput
 from minillm.model.llama import LlamaForCausalLM
@@ -49,19 +50,32 @@ class LLM:
             ``enable_chunked_prefill``, ``enable_prefix_caching``, ``attention_backend``, ...). ``dtype`` defaults
             to fp32 on a CPU, the lessons' dtype, exact against transformers' fp32 model; ``dtype="auto"`` asks for
             the machine's (bf16 with AMX-BF16 or AVX512-BF16), which ``python -m minillm serve`` and ``bench`` use.
+            ``async_scheduling`` follows vLLM's rule: on unless n-gram drafts are configured.
+
+    The engine core runs in a process of its own (``MINILLM_ENABLE_V1_MULTIPROCESSING=1``, the default, as vLLM's
+    ``VLLM_ENABLE_V1_MULTIPROCESSING``): it loads the model there (a model given as an object is sent once, its
+    tensors in shared memory), and this process keeps the tokenizer. ``MINILLM_ENABLE_V1_MULTIPROCESSING=0`` keeps
+    it in this process, where ``llm.llm_engine.scheduler`` can be looked at. ``llm.shutdown()`` stops the core
+    process; so does deleting ``llm``, or the interpreter exiting.
     """
 
     def __init__(self, model: str | LlamaForCausalLM | None = None, tokenizer: Any = None, **engine_args: Any) -> None:
+        multiprocess = multiprocessing_enabled()
         if isinstance(model, LlamaForCausalLM):
-            self.llm_engine = LLMEngine(model, tokenizer, EngineArgs.from_kwargs(**engine_args))
+            self.llm_engine = LLMEngine(model, tokenizer, EngineArgs.from_kwargs(**engine_args),
+                                        multiprocess_mode=multiprocess)
         else:
             self.llm_engine = LLMEngine.from_engine_args(
                 EngineArgs.from_kwargs(model=None if model is None else str(model), tokenizer=tokenizer,
-                                       **engine_args))
+                                       **engine_args), multiprocess_mode=multiprocess)
         self.request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine core (its process, when it has one). The ``LLM`` cannot generate afterwards."""
+        self.llm_engine.shutdown()
 
     # -- adding requests --------------------------------------------------------------------------------------------
     @staticmethod

@@ -28,8 +28,6 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype | str = torch
     Returns:
         ``(model, tokenizer)`` if ``tokenizer`` else the model.
     """
-    from minillm.tokenizer import load_tokenizer
-
     if not isinstance(dtype, torch.dtype):
         from minillm.platforms.dtype import parse_dtype
 
@@ -45,7 +43,18 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype | str = torch
         llm = load_hf_model(path, dtype=dtype, device=device)
     if not tokenizer:
         return llm
-    tok = None
+    return llm, load_model_tokenizer(path)
+
+
+def load_model_tokenizer(model: str | Path | None = None) -> Any:
+    """The tokenizer that comes with a model (what :func:`load_model` returns beside it): from a ``.gguf`` file's
+    metadata or a directory's tokenizer files; ``None`` for a directory without any. Loads no weights: the engine's
+    front end calls it while the engine core loads the model in its own process."""
+    from minillm.tokenizer import load_tokenizer
+
+    path = default_model_path() if model is None else Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (give a .gguf file or an HF directory)")
     if path.is_file() or any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        tok = load_tokenizer(path)
-    return llm, tok
+        return load_tokenizer(path)
+    return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minillm.engine import EngineCoreOutput  # noqa: F401  (the scheduler's per-request result; a wire type)
 from minillm.request import Request
 
 
@@ -156,20 +157,3 @@ class KVConnectorOutput:
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.failed_recving or self.invalid_block_ids)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request: its new tokens and, if it finished, why.
-
-    vLLM counterpart: ``vllm/v1/engine/__init__.py`` (``EngineCoreOutput``).
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

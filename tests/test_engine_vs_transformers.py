@@ -59,9 +59,23 @@ def serve(model, tokenizer, prompts, per_step: int | None = None, max_tokens: in
     """
     engine = LLMEngine(model, tokenizer, EngineArgs(**engine_args))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    composition = []
+
+    def record():
+        x = engine.model_runner.last_inputs
+        lens = (x.query_start_loc[1:] - x.query_start_loc[:-1]).tolist()
+        composition.append((sum(n > 1 for n in lens), sum(n == 1 for n in lens)))
+
+    tokens = serve_staggered(engine, prompts, per_step, params, after_step=record)
+    assert engine.get_num_free_blocks() == engine.num_gpu_blocks - 1
+    return tokens, engine, composition
+
+
+def serve_staggered(engine, prompts, per_step, params, after_step=None) -> list[list[int]]:
+    """``per_step`` new arrivals before each step (all at once if ``None``) until every prompt is done; the token
+    ids per prompt. ``after_step()`` runs after each step."""
     pending = list(enumerate(prompts))
     tokens: dict[int, list[int]] = {}
-    composition = []
     while pending or engine.has_unfinished_requests():
         for i, p in pending[:per_step or len(pending)]:
             engine.add_request(str(i), p, params)
@@ -69,11 +83,9 @@ def serve(model, tokenizer, prompts, per_step: int | None = None, max_tokens: in
         for out in engine.step():
             if out.finished:
                 tokens[int(out.request_id)] = out.outputs[0].token_ids
-        x = engine.model_runner.last_inputs
-        lens = (x.query_start_loc[1:] - x.query_start_loc[:-1]).tolist()
-        composition.append((sum(n > 1 for n in lens), sum(n == 1 for n in lens)))
-    assert engine.get_num_free_blocks() == engine.num_gpu_blocks - 1
-    return [tokens[i] for i in range(len(prompts))], engine, composition
+        if after_step is not None:
+            after_step()
+    return [tokens[i] for i in range(len(prompts))]
 
 
 def check_all(outputs, reference, indices, what):
@@ -201,17 +213,6 @@ def serve_through_the_core_process(model, tokenizer, prompts, per_step, asyncio_
         engine.shutdown()
 
 
-def serve_staggered(engine, prompts, per_step, params):
-    pending = list(enumerate(prompts))
-    tokens: dict[int, list[int]] = {}
-    while pending or engine.has_unfinished_requests():
-        for i, p in pending[:per_step or len(pending)]:
-            engine.add_request(str(i), p, params)
-        pending = pending[per_step or len(pending):]
-        for out in engine.step():
-            if out.finished:
-                tokens[int(out.request_id)] = out.outputs[0].token_ids
-    return [tokens[i] for i in range(len(prompts))]
 
 
 @pytest.mark.slow

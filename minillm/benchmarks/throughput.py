@@ -31,11 +31,13 @@ same kind of workload.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,19 +133,61 @@ class PeerResult:
         return self.output_tokens / self.seconds
 
 
-def run_minillm(model: Any, tokenizer: Any, workload: Workload, **engine_args: Any) -> PeerResult:
+@contextlib.contextmanager
+def multiprocessing_switch(multiprocess: bool | None) -> Iterator[None]:
+    """``MINILLM_ENABLE_V1_MULTIPROCESSING`` set to ``multiprocess`` while the block runs (``None``: left as it is),
+    for building an ``LLM``, which reads it as vLLM's reads ``VLLM_ENABLE_V1_MULTIPROCESSING``."""
+    name = "MINILLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(name)
+    if multiprocess is not None:
+        os.environ[name] = "1" if multiprocess else "0"
+    try:
+        yield
+    finally:
+        if multiprocess is not None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+
+def _cpu_seconds(core_pid: int | None) -> float:
+    """CPU seconds used so far by this process and, when the engine core has its own, by that one too."""
+    cpu = time.process_time()
+    if core_pid is not None:
+        import psutil
+
+        times = psutil.Process(core_pid).cpu_times()
+        cpu += times.user + times.system
+    return cpu
+
+
+def run_minillm(model: Any, tokenizer: Any, workload: Workload, multiprocess: bool | None = None,
+                **engine_args: Any) -> PeerResult:
+    """The workload through minillm's ``LLM``, greedy, each request its own ``max_tokens``.
+
+    Args:
+        multiprocess: the engine core in its own process (with async scheduling, unless n-gram drafts are
+            configured); ``None``: ``LLM``'s default (``MINILLM_ENABLE_V1_MULTIPROCESSING``). ``cpu_seconds``
+            counts both processes' CPU time.
+    """
     from minillm.entrypoints.llm import LLM
     from minillm.sampling_params import SamplingParams
 
-    llm = LLM(model, tokenizer=tokenizer, **engine_args)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    start, cpu = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    tokens = [o.outputs[0].token_ids for o in outs]
-    assert [len(t) for t in tokens] == workload.output_lens
-    stats = llm.llm_engine.stats
+    with multiprocessing_switch(multiprocess):
+        llm = LLM(model, tokenizer=tokenizer, **engine_args)
+    core_pid = llm.llm_engine.engine_core.proc.pid if llm.llm_engine.multiprocess_mode else None
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+        prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+        start, cpu = time.perf_counter(), _cpu_seconds(core_pid)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds, cpu = time.perf_counter() - start, _cpu_seconds(core_pid) - cpu
+        tokens = [o.outputs[0].token_ids for o in outs]
+        assert [len(t) for t in tokens] == workload.output_lens
+        stats = llm.llm_engine.stats
+    finally:
+        llm.shutdown()
     return PeerResult("minillm", seconds, workload.num_output_tokens, tokens, cpu_seconds=cpu,
                       num_steps=stats.num_steps,
                       acceptance_rate=stats.acceptance_rate if stats.num_draft_tokens else None)

@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -70,6 +70,8 @@ class EngineCore:
         parts: the engine's replaceable parts (chapter 8), default the package's own.
         eos_token_id: the tokenizer's EOS id, what ``min_tokens`` blocks (default: the model config's).
         async_scheduling: step with the batch queue and the :class:`AsyncScheduler`.
+        model_thread: a one-thread ``ThreadPoolExecutor`` that loaded the model: every step runs there (see
+            :class:`~minillm.executor.uniproc_executor.UniProcExecutor`); ``None``: the caller's thread.
 
     Raises:
         ValueError: a bad argument, a KV cache too small for one request of ``max_model_len`` tokens, or async
@@ -77,7 +79,8 @@ class EngineCore:
     """
 
     def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, parts: EngineParts | None = None,
-                 eos_token_id: int | None = None, async_scheduling: bool = False) -> None:
+                 eos_token_id: int | None = None, async_scheduling: bool = False,
+                 model_thread: Any = None) -> None:
         args = engine_args
         self.parts = parts if parts is not None else EngineParts()
         self.engine_args = args
@@ -119,7 +122,7 @@ class EngineCore:
                                         kv_connector=self.kv_connector_worker,
                                         max_num_reqs=self.scheduler_config.max_num_seqs,
                                         max_model_len=self.max_model_len)
-        self.model_executor = UniProcExecutor(self.model_runner)
+        self.model_executor = UniProcExecutor(self.model_runner, model_thread)
         self.async_scheduling = async_scheduling
         # vLLM: VllmConfig.max_concurrent_batches, 2 with async scheduling (one step running, the next planned).
         self.batch_queue_size = 2 if async_scheduling else 1
@@ -336,8 +339,9 @@ class EngineCoreProc(EngineCore):
     """
 
     def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, input_address: str, output_socket: Any,
-                 eos_token_id: int | None = None, async_scheduling: bool = False) -> None:
-        super().__init__(model, engine_args, eos_token_id=eos_token_id, async_scheduling=async_scheduling)
+                 eos_token_id: int | None = None, async_scheduling: bool = False, model_thread: Any = None) -> None:
+        super().__init__(model, engine_args, eos_token_id=eos_token_id, async_scheduling=async_scheduling,
+                         model_thread=model_thread)
         self.input_address = input_address
         self.output_socket = output_socket
         self.input_queue: queue.Queue = queue.Queue()
@@ -453,8 +457,9 @@ def run_engine_core(engine_args: EngineArgs, model: LlamaForCausalLM | None, eos
 
     signal.signal(signal.SIGTERM, on_sigterm)
     threading.Thread(target=_watch_parent, args=(death_pipe,), name="minillm-parent-watch", daemon=True).start()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
+    # One thread does all of PyTorch's work in this process (loading, the KV cache, every step): a second thread
+    # running ops would bring a second OpenMP team onto the same cores (see UniProcExecutor).
+    model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-model")
     context = zmq.Context()
     out = context.socket(zmq.PUSH)
     out.setsockopt(zmq.SNDHWM, 0)
@@ -462,13 +467,20 @@ def run_engine_core(engine_args: EngineArgs, model: LlamaForCausalLM | None, eos
     encoder = MsgpackEncoder()
     core = None
     try:
-        try:
+        def build() -> EngineCoreProc:
+            nonlocal model
+            if num_threads is not None:
+                torch.set_num_threads(num_threads)
             if model is None:
                 import minillm
 
                 model = minillm.load_model(engine_args.model, dtype=engine_args.resolved_dtype(),
                                            device=engine_args.resolved_device(), tokenizer=False)
-            core = EngineCoreProc(model, engine_args, input_address, out, eos_token_id, async_scheduling)
+            return EngineCoreProc(model, engine_args, input_address, out, eos_token_id, async_scheduling,
+                                  model_thread=model_thread)
+
+        try:
+            core = model_thread.submit(build).result()
         except Exception as e:  # noqa: BLE001 - the client raises it in the caller's process
             out.send_multipart([FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
             return
@@ -498,5 +510,6 @@ def run_engine_core(engine_args: EngineArgs, model: LlamaForCausalLM | None, eos
                 core.shutdown()
             except Exception:  # noqa: BLE001 - exiting anyway
                 logger.exception("engine core shutdown failed")
+        model_thread.shutdown(wait=False)
         out.close(linger=2000)
         context.term()

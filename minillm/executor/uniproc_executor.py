@@ -5,6 +5,11 @@ runs on the executor's one thread, so the engine core's thread can schedule the 
 keeps the steps in order, which async scheduling relies on (step N+1 reads the token step N sampled). PyTorch
 releases the GIL inside its kernels, so the two threads do overlap.
 
+Given ``model_thread`` (the engine-core process does), every step runs there, blocking or not: the thread that
+loaded the model and allocated the KV cache. Every thread that runs PyTorch ops gets an OpenMP team of its own,
+and two teams on the same cores slow each other down (each spins while it waits for work): measured on 2 cores, a
+SmolLM2 decode step took 1.4-1.7x as long on a second thread as on the thread that had loaded the model.
+
 vLLM counterpart: ``vllm/v1/executor/uniproc_executor.py:UniProcExecutor``, whose ``execute_model`` with
 ``non_block=True`` likewise returns a future from a one-thread ``ThreadPoolExecutor`` (``async_output_thread``).
 """
@@ -25,9 +30,10 @@ class UniProcExecutor(Executor):
         model_runner: the runner (it owns the model and the paged KV cache).
     """
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: Any, model_thread: ThreadPoolExecutor | None = None) -> None:
         self.model_runner = model_runner
-        self._thread: ThreadPoolExecutor | None = None
+        self._thread: ThreadPoolExecutor | None = model_thread
+        self._always_on_thread = model_thread is not None
         # (start, end) of each step's execution, time.monotonic(), while the engine core records a timeline.
         self.timeline: list[tuple[float, float]] | None = None
 
@@ -46,6 +52,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if self._always_on_thread:
+            future = self._thread.submit(self._execute, scheduler_output)
+            return future if non_block else future.result()
         if not non_block:
             return self._execute(scheduler_output)
         if self._thread is None:
@@ -53,6 +62,8 @@ class UniProcExecutor(Executor):
         return self._thread.submit(self._execute, scheduler_output)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        if self._always_on_thread:
+            return [self._thread.submit(getattr(self.model_runner, method), *args).result()]
         return [getattr(self.model_runner, method)(*args)]
 
     def shutdown(self) -> None:

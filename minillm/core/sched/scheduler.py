@@ -249,16 +249,11 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
-            if (request.num_output_placeholders > 0 and request.max_tokens is not None
-                    and request.num_computed_tokens + 2 - request.num_output_placeholders
-                    >= request.num_prompt_tokens + request.max_tokens):
-                # Async scheduling: the step in flight samples this request's last token (max_tokens), so no
-                # further step is needed (vLLM v0.33.0, Scheduler.schedule).
-                req_index += 1
+            if request.num_output_placeholders and self._in_flight_step_is_its_last(request):
+                req_index += 1  # async scheduling only: no further step is needed
                 continue
-            # Placeholders (async scheduling only, else 0): the tokens of steps in flight are inputs of this one.
-            num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
-                              - request.num_computed_tokens)
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            num_new_tokens += request.num_output_placeholders  # async scheduling's tokens in flight (else 0)
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, step.token_budget)
@@ -286,6 +281,14 @@ class Scheduler:
                 step.scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_scheduled_spec]
             # Under the priority policy a victim may sit before this request; find where it is now.
             req_index = self.running.index(request) + 1
+
+    @staticmethod
+    def _in_flight_step_is_its_last(request: Request) -> bool:
+        """Async scheduling: the step in flight samples the request's ``max_tokens``-th token (vLLM v0.33.0's
+        condition in ``Scheduler.schedule``: ``num_computed_tokens + 2 - num_output_placeholders >=
+        num_prompt_tokens + max_tokens``)."""
+        return (request.max_tokens is not None and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
                              step: StepState) -> list[KVCacheBlock] | None:

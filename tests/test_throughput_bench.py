@@ -36,10 +36,13 @@ def test_workload_flops_by_hand():
 @pytest.mark.slow
 @pytest.mark.usefixtures("single_thread")
 def test_tiny_benchmark_run(smollm, hf_oracle):
+    """In-process: every request is in before the first step, so the forward passes compared below are exact (with
+    the core in its own process they depend on when each request reaches it; tests/test_engine_core_bench.py runs
+    that path)."""
     w = make_workload(3, 8, 20, (2, 3), seed=1)
     peers = ("minillm", "minillm-ngram", "hf-padded", "hf-batch", "roofline")
     report = run_benchmark(w, peers, model=smollm[0], tokenizer=smollm[1], hf_model=hf_oracle,
-                           matmul_seconds=0.2, repeat=2)
+                           matmul_seconds=0.2, repeat=2, multiprocess=False)
     tps = report["tokens_per_second"]
     assert report["repeat"] == 2
     assert set(tps) == set(peers) and all(v > 0 for v in tps.values())

@@ -323,8 +323,13 @@ def load_hf_model(progress: bool = False, dtype: torch.dtype = torch.float32) ->
 def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any = None, tokenizer: Any = None,
                   hf_model: Any = None, engine_args: dict[str, Any] | None = None, matmul_seconds: float = 2.0,
                   log: Any = None, repeat: int = 1, dtype: str | torch.dtype | None = SERVING_DTYPE,
-                  llama_cpp_bin: str | None = None) -> dict[str, Any]:
+                  llama_cpp_bin: str | None = None, multiprocess: bool | None = None) -> dict[str, Any]:
     """Run the chosen peers on ``workload``; return tokens/s of each, the ratios and the greedy comparison.
+
+    ``multiprocess`` is :func:`run_minillm`'s: ``None`` runs ``LLM``'s default, the engine core in its own process.
+    There, ``generate`` sends its requests one by one while the core already steps (as vLLM's does), so the forward
+    passes counted depend on when each request arrives; ``False`` counts them exactly (every request in before the
+    first step).
 
     Every system runs at one precision: ``dtype`` (as ``EngineArgs.dtype`` takes it; default ``"auto"``, what this
     CPU is built for; ``None`` or ``"float32"``: fp32) when ``model`` is not given, else the given model's dtype.
@@ -368,8 +373,8 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
                               "output_tokens": workload.num_output_tokens, "threads": torch.get_num_threads(),
                               "dtype": choice.name, "dtype_reason": choice.reason, "cpu_capability": cpu_capability(),
                               "cpu_native_bf16": native_bf16()}
-    runners = {"minillm": lambda: run_minillm(model, tokenizer, workload, **(engine_args or {})),
-               "minillm-ngram": lambda: run_minillm(model, tokenizer, workload,
+    runners = {"minillm": lambda: run_minillm(model, tokenizer, workload, multiprocess, **(engine_args or {})),
+               "minillm-ngram": lambda: run_minillm(model, tokenizer, workload, multiprocess,
                                                     **{**(engine_args or {}), "speculative_config": NGRAM_SPEC}),
                "hf-padded": lambda: run_hf_padded(hf_model, workload),
                "hf-batch": lambda: run_hf_batch(hf_model, workload),

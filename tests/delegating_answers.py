@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = {"0": "00_warmup.ipynb", "1": "01_attention_and_chunks.ipynb", "2": "02_paged_kv_cache.ipynb",
             "3": "03_triton_prefill_kernel.ipynb", "4": "04_scheduler.ipynb", "5": "05_sampler.ipynb",
             "6": "06_engine.ipynb", "7": "07_context_parallel.ipynb", "8": "08_capstone.ipynb",
-            "9": "09_disaggregation_and_tp.ipynb"}
+            "9": "09_disaggregation_and_tp.ipynb", "10": "10_engine_core.ipynb"}
 
 DELEGATING: dict[str, str] = {
     "0.1": '''
@@ -225,6 +225,27 @@ def my_tp_mlp_forward(x, shards):
 class MyConnector(SharedStorageConnector):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+''',
+    "10.1": '''
+from types import SimpleNamespace
+
+from minillm.worker.model_runner import ModelRunner
+
+
+def update_states(batch, requests, scheduler_output):
+    runner = SimpleNamespace(input_batch=batch, requests=requests, device="cpu")  # all _update_states touches
+    ModelRunner._update_states(runner, scheduler_output)
+''',
+    "10.2": '''
+from minillm.core.sched.async_scheduler import AsyncScheduler
+
+
+class PlaceholderScheduler(AsyncScheduler):
+    def _update_after_schedule(self, scheduler_output):
+        super()._update_after_schedule(scheduler_output)
+
+    def _update_request_with_output(self, request, new_token_ids):
+        return super()._update_request_with_output(request, new_token_ids)
 ''',
 }
 

@@ -161,11 +161,49 @@ def test_async_scheduling_is_refused_with_ngram_drafts_and_a_learners_scheduler(
     from minillm.core.sched.scheduler import Scheduler
     from minillm.engine.parts import EngineParts
 
-    class Mine(Scheduler):
+    class Mine(Scheduler):  # chapter 4's kind: it counts no placeholders, so it would schedule wrong under async
+        def _schedule_running(self, step):
+            return super()._schedule_running(step)
+
+    with pytest.raises(ValueError, match="async scheduling needs a scheduler that counts output placeholders.*"
+                                         "a replaced scheduler \\(Mine\\) needs async_scheduling=False"):
+        EngineCore(tiny_model(), EngineArgs(), EngineParts(scheduler_cls=Mine), async_scheduling=True)
+    assert isinstance(EngineCore(tiny_model(), EngineArgs(), EngineParts(scheduler_cls=Mine)).scheduler, Mine)
+
+
+def test_async_scheduling_takes_a_replaced_scheduler_that_counts_placeholders():
+    """A subclass of AsyncScheduler, or a Scheduler subclass that overrides _update_after_schedule (exercise 10.2),
+    is used as given, as vLLM's SchedulerConfig.get_scheduler_cls does; it gives the synchronous tokens."""
+    from minillm.core.sched.scheduler import Scheduler
+    from minillm.engine.parts import EngineParts
+
+    class Counting(AsyncScheduler):
         pass
 
-    with pytest.raises(ValueError, match="a replaced scheduler \\(Mine\\) needs async_scheduling=False"):
-        EngineCore(tiny_model(), EngineArgs(), EngineParts(scheduler_cls=Mine), async_scheduling=True)
+    class OwnCount(Scheduler):  # AsyncScheduler's accounting, written on the base class
+        def _update_after_schedule(self, scheduler_output):
+            super()._update_after_schedule(scheduler_output)
+            for rid in scheduler_output.num_scheduled_tokens:
+                request = self.requests[rid]
+                if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                    request.num_output_placeholders += 1
+
+        def _update_request_with_output(self, request, new_token_ids):
+            new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids)
+            request.num_output_placeholders -= len(new_token_ids)
+            return new_token_ids, stopped
+
+    args = dict(long_prefill_token_threshold=5, max_num_batched_tokens=24, block_size=4, num_gpu_blocks=300,
+                enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    requests = [(0, "a", list(range(3, 20)), params, 0), (1, "b", list(range(40, 49)), params, 0)]
+    want = run(make(False, **args), requests)
+    for cls in (Counting, OwnCount):
+        engine = LLMEngine(tiny_model(), None, EngineArgs(async_scheduling=True, **args),
+                           parts=EngineParts(scheduler_cls=cls))
+        assert type(engine.scheduler) is cls and engine.engine_core.engine_core.batch_queue is not None
+        assert run(engine, requests) == want
+        assert_idle_and_clean(engine)
 
 
 def test_the_wire_types_round_trip_through_msgpack():

@@ -69,13 +69,15 @@ class EngineCore:
         engine_args: the configuration (``model``, ``dtype``, ``device`` are ignored: the model is loaded).
         parts: the engine's replaceable parts (chapter 8), default the package's own.
         eos_token_id: the tokenizer's EOS id, what ``min_tokens`` blocks (default: the model config's).
-        async_scheduling: step with the batch queue and the :class:`AsyncScheduler`.
+        async_scheduling: step with the batch queue and the :class:`AsyncScheduler` (or ``parts.scheduler_cls``
+            when it counts output placeholders itself).
         model_thread: a one-thread ``ThreadPoolExecutor`` that loaded the model: every step runs there (see
             :class:`~minillm.executor.uniproc_executor.UniProcExecutor`); ``None``: the caller's thread.
 
     Raises:
         ValueError: a bad argument, a KV cache too small for one request of ``max_model_len`` tokens, or async
-            scheduling with a scheduler class other than the package's own.
+            scheduling with a replaced scheduler class that does not count output placeholders (neither a subclass
+            of ``AsyncScheduler`` nor overriding ``_update_after_schedule``).
     """
 
     def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, parts: EngineParts | None = None,
@@ -98,10 +100,17 @@ class EngineCore:
         if async_scheduling:
             from minillm.core.sched.async_scheduler import AsyncScheduler
 
-            if scheduler_cls is not Scheduler:
-                raise ValueError(f"async scheduling runs minillm's AsyncScheduler; a replaced scheduler "
-                                 f"({scheduler_cls.__name__}) needs async_scheduling=False")
-            scheduler_cls = AsyncScheduler
+            # The package's scheduler becomes AsyncScheduler. A replaced class is used as given (as vLLM's
+            # SchedulerConfig.get_scheduler_cls does) when it counts the output placeholders of the steps in flight;
+            # one that does not (chapter 4's) would plan each step without the tokens still in flight: refused.
+            if scheduler_cls is Scheduler:
+                scheduler_cls = AsyncScheduler
+            elif not (issubclass(scheduler_cls, AsyncScheduler)
+                      or scheduler_cls._update_after_schedule is not Scheduler._update_after_schedule):
+                raise ValueError(f"async scheduling needs a scheduler that counts output placeholders (a subclass "
+                                 f"of AsyncScheduler, or one that overrides _update_after_schedule as exercise 10.2's "
+                                 f"does); a replaced scheduler ({scheduler_cls.__name__}) needs "
+                                 f"async_scheduling=False")
         self.scheduler: Scheduler = scheduler_cls(self.scheduler_config, self.num_gpu_blocks, args.block_size,
                                                   args.enable_prefix_caching, self.parts)
         # Chapter 9: a KV connector has two halves, one for the scheduler and one for the model runner.

@@ -83,6 +83,9 @@ BUILDS: dict[str, tuple[str, ...]] = {
             "minillm.model.parallel_layers:RowParallelLinear.__init__",
             "minillm.model.llama_tp:TensorParallelMLP.__init__"),
     "9.2": ("minillm.distributed.kv_transfer.prompt_connector:PromptKVConnector.get_num_new_matched_tokens",),
+    "10.1": ("minillm.worker.model_runner:ModelRunner._update_states",),
+    "10.2": ("minillm.core.sched.async_scheduler:AsyncScheduler._update_after_schedule",
+             "minillm.core.sched.async_scheduler:AsyncScheduler._update_request_with_output"),
 }
 
 # Where copies of a function's name are looked for, besides the learner's namespaces.

@@ -15,13 +15,23 @@ if TYPE_CHECKING:  # transformers is imported only when a tokenizer is loaded: i
 
 
 def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
-    """Tokenizer for a ``.gguf`` file (vocabulary, merges and chat template from its metadata) or an HF directory."""
+    """Tokenizer for a ``.gguf`` file (vocabulary, merges and chat template from its metadata) or an HF directory.
+
+    A ``.gguf`` file's tokenizer is kept on disk after the first load (:mod:`minillm.loaders.gguf_cache`): building
+    it from the file's metadata takes seconds, reading it back a fraction of one."""
     from transformers import AutoTokenizer
+
+    from minillm.loaders import gguf_cache
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(path)
     if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        cached = gguf_cache.tokenizer_dir(path)
+        if cached is not None:
+            return AutoTokenizer.from_pretrained(str(cached))
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        gguf_cache.save_tokenizer(path, tokenizer)
+        return tokenizer
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -182,6 +182,34 @@ def test_no_core_process_outlives_its_parent(tmp_path, how):
             proc.wait(timeout=10)
 
 
+UNGUARDED = """
+import dataclasses, sys
+sys.path.insert(0, {root!r})
+from minillm.engine.arg_utils import EngineArgs
+from minillm.engine.llm_engine import LLMEngine
+from minillm.model.llama import LlamaForCausalLM
+from tests.engine_helpers import TINY
+
+# No `if __name__ == "__main__":`. 40 layers: the pickled model is larger than a pipe's buffer (64 KiB), the case
+# in which sending it with the process's start-up data blocked forever once the child had died.
+model = LlamaForCausalLM(dataclasses.replace(TINY, num_hidden_layers=40))
+LLMEngine(model, None, EngineArgs(num_gpu_blocks=64), multiprocess_mode=True)
+"""
+
+
+def test_a_script_without_a_main_guard_gets_the_reason_not_a_hang(tmp_path):
+    """spawn imports the script again in the core's process, which fails there (multiprocessing refuses to start a
+    process while bootstrapping); the script's own engine must then say why, not wait forever."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.format(root=str(ROOT)))
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the script hung: {e}")
+    assert done.returncode == 1
+    assert 'must do it under `if __name__ == "__main__":`' in done.stderr, done.stderr[-2000:]
+
+
 def test_a_bad_request_is_refused_here_and_never_reaches_the_core():
     engine = mp_engine()
     try:

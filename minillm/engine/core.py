@@ -453,8 +453,11 @@ def _watch_parent(death_pipe: Any) -> None:
 
 def run_engine_core(engine_args: EngineArgs, model: LlamaForCausalLM | None, eos_token_id: int | None,
                     async_scheduling: bool, input_address: str, output_address: str, death_pipe: Any,
-                    num_threads: int | None = None) -> None:
-    """The engine-core process's entry point: load, handshake, busy loop; tell the client if anything fails."""
+                    num_threads: int | None = None, model_pipe: Any = None) -> None:
+    """The engine-core process's entry point: load, handshake, busy loop; tell the client if anything fails.
+
+    A model given as an object arrives on ``model_pipe`` once the process runs (not with the process's start-up
+    data: see ``MPClient.__init__``); ``model=None`` and no pipe: loaded here from ``engine_args.model``."""
     import zmq
 
     # Ctrl-C in a terminal reaches the whole process group: the client handles it (it aborts its requests), and
@@ -480,6 +483,9 @@ def run_engine_core(engine_args: EngineArgs, model: LlamaForCausalLM | None, eos
             nonlocal model
             if num_threads is not None:
                 torch.set_num_threads(num_threads)
+            if model_pipe is not None:
+                model = model_pipe.recv()
+                model_pipe.close()
             if model is None:
                 import minillm
 

@@ -213,14 +213,28 @@ class MPClient(EngineCoreClient):
         ctx = torch_mp.get_context("spawn")
         death_reader, death_writer = ctx.Pipe(duplex=False)
         self.resources.death_writer = death_writer
+        # A loaded model goes through a pipe of its own after the start, not in the process's start-up data:
+        # Process.start() writes that data while it still holds the pipe's read end, so when the child dies before
+        # reading it all (a script without `if __name__ == "__main__":`) a large payload blocks start() forever.
+        # Here, with our read end closed, a dead child makes send() fail, and the handshake says why.
+        model_reader, model_writer = ctx.Pipe(duplex=False) if model is not None else (None, None)
         proc = ctx.Process(target=run_engine_core, name="EngineCore", kwargs=dict(
-            engine_args=engine_args, model=model, eos_token_id=eos_token_id, async_scheduling=async_scheduling,
+            engine_args=engine_args, model=None, eos_token_id=eos_token_id, async_scheduling=async_scheduling,
             input_address=f"ipc://{input_path}", output_address=f"ipc://{output_path}", death_pipe=death_reader,
-            num_threads=num_threads if num_threads is not None else torch.get_num_threads()))
+            num_threads=num_threads if num_threads is not None else torch.get_num_threads(),
+            model_pipe=model_reader))
         proc.start()
         death_reader.close()
         self.resources.proc = proc
         self.proc = proc
+        if model_writer is not None:
+            model_reader.close()
+            try:
+                model_writer.send(model)  # the tensors travel as shared memory, the pipe carries their handles
+            except OSError:
+                pass  # the child is gone: _wait_for_handshake reports it
+            finally:
+                model_writer.close()
         self.ready = self._wait_for_handshake()
         self.stats = SchedulerStats()
         # The threads hold only a weak reference to the client: deleting the client (an LLM going out of scope)

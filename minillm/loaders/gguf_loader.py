@@ -88,14 +88,32 @@ def _hf_name(gguf_name: str) -> str:
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """Load a Llama GGUF file into a :class:`LlamaForCausalLM` (dequantized to ``dtype``), in eval mode."""
+    """Load a Llama GGUF file into a :class:`LlamaForCausalLM` (dequantized to ``dtype``), in eval mode.
+
+    The fp32 result is kept on disk after the first load (:mod:`minillm.loaders.gguf_cache`) and read from there
+    afterwards."""
+    from minillm.loaders import gguf_cache
+
+    cached = gguf_cache.load_state(path)
+    if cached is not None:
+        config, state = cached
+    else:
+        config, state = read_gguf_state(path)
+        gguf_cache.save_state(path, config, state)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device=device)
+    _load_state(model, state, dtype)
+    return model.eval()
+
+
+def read_gguf_state(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """The config and the fp32 state dict (our parameter names, Q/K rows unpermuted) of a Llama GGUF file."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     config = read_gguf_config(reader)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         weight = dequantize(tensor.data, tensor.tensor_type)
@@ -105,9 +123,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
         elif tensor.name.endswith("attn_k.weight"):
             weight = unpermute_qk(weight, config.num_key_value_heads)
         state[_hf_name(tensor.name)] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C", copy=True))
-    model.to_empty(device=device)
-    _load_state(model, state, dtype)
-    return model.eval()
+    return config, state
 
 
 def _load_state(model: LlamaForCausalLM, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:

@@ -116,6 +116,29 @@ def test_a_method_is_tripped_for_super_calls_and_restored():
     assert Scheduler.__dict__["_schedule_waiting"] is original
 
 
+def test_a_method_kept_under_another_name_is_tripped_and_put_back():
+    """``f = ModelRunner._update_states`` holds the plain function: replacing the class attribute alone misses it,
+    in the notebook's names and in a closure."""
+    from minillm.worker.model_runner import ModelRunner
+
+    original = ModelRunner.__dict__["_update_states"]
+    ns = {"__name__": "__main__", "f": ModelRunner._update_states}
+    exec("def by_name(batch, requests, so):\n    return f(None, so)\n", ns)  # noqa: S102
+
+    def make():
+        captured = ModelRunner._update_states
+
+        def in_closure(batch, requests, so):
+            return captured(None, so)
+        return in_closure
+
+    for answer in (ns["by_name"], make()):
+        with pytest.raises(DelegationError, match=r"Exercise 10\.1 .*ModelRunner\._update_states"):
+            guard("10.1", answer)(None, {}, None)
+    assert ns["f"] is original and ModelRunner.__dict__["_update_states"] is original
+    assert make().__closure__[0].cell_contents is original
+
+
 def test_a_class_that_inherits_the_method_is_refused_at_once():
     from minillm.core.sched.scheduler import Scheduler
 

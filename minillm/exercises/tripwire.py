@@ -254,19 +254,21 @@ def building(exercises: str | Iterable[str], *learner: Any) -> Iterator[None]:
             if isinstance(owner, type):
                 undo.append((owner, name, original))
                 setattr(owner, name, wire)
-                continue
+            # A method read off its class (``f = ModelRunner._update_states``) is the plain function, a copy the
+            # class attribute's replacement does not reach: it is looked for by name too, as a function is.
+            copies = (original, getattr(original, "__func__", original))
             for ns in [*packages, *namespaces]:
                 for key, value in list(ns.items()):
-                    if value is original:
-                        undo.append((ns, key, original))
+                    if any(value is c for c in copies):
+                        undo.append((ns, key, value))
                         ns[key] = wire
             for cell in closures:
                 try:
                     held = cell.cell_contents
                 except ValueError:
                     continue
-                if held is original:
-                    undo.append((cell, "", original))
+                if any(held is c for c in copies):
+                    undo.append((cell, "", held))
                     cell.cell_contents = wire
         yield
     finally:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from minillm.config import LlamaConfig
+from minillm.exercises.ch10.tiny import TINY_CONFIG, init_large_gaps
 from minillm.model.llama import LlamaForCausalLM
 
 # Two greedy runs may pick different tokens only where the two best logits are closer than this: fp32 rounding of
@@ -27,22 +28,14 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-TINY = LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                   eos_token_id=None, bos_token_id=None)
+TINY: LlamaConfig = TINY_CONFIG  # chapter 10's tiny model is the same one
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     """A random 2-layer Llama whose logits have large gaps (embedding std 1, tied head), so greedy tokens do not
     depend on fp32 rounding."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.2)
-        model.model.embed_tokens.weight.normal_(0.0, 1.0)
-    return model
+    return init_large_gaps(LlamaForCausalLM(TINY).eval())
 
 
 @torch.inference_mode()

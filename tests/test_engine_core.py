@@ -174,24 +174,12 @@ def test_async_scheduling_is_refused_with_ngram_drafts_and_a_learners_scheduler(
 def test_async_scheduling_takes_a_replaced_scheduler_that_counts_placeholders():
     """A subclass of AsyncScheduler, or a Scheduler subclass that overrides _update_after_schedule (exercise 10.2),
     is used as given, as vLLM's SchedulerConfig.get_scheduler_cls does; it gives the synchronous tokens."""
-    from minillm.core.sched.scheduler import Scheduler
     from minillm.engine.parts import EngineParts
 
     class Counting(AsyncScheduler):
         pass
 
-    class OwnCount(Scheduler):  # AsyncScheduler's accounting, written on the base class
-        def _update_after_schedule(self, scheduler_output):
-            super()._update_after_schedule(scheduler_output)
-            for rid in scheduler_output.num_scheduled_tokens:
-                request = self.requests[rid]
-                if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                    request.num_output_placeholders += 1
-
-        def _update_request_with_output(self, request, new_token_ids):
-            new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids)
-            request.num_output_placeholders -= len(new_token_ids)
-            return new_token_ids, stopped
+    from tests.test_exercises_10 import Reference as OwnCount  # AsyncScheduler's accounting, on the base class
 
     args = dict(long_prefill_token_threshold=5, max_num_batched_tokens=24, block_size=4, num_gpu_blocks=300,
                 enable_prefix_caching=False)

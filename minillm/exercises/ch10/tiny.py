@@ -17,14 +17,19 @@ TINY_CONFIG = LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128,
                           eos_token_id=None, bos_token_id=None)
 
 
+def init_large_gaps(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Redraw ``model``'s weights from torch's global generator so its logits have large gaps: matrices of std 0.2,
+    embeddings (tied to the head) of std 1. Returns the model."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+    return model
+
+
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     """The tiny model with weights drawn from ``seed``, in eval mode; the global random state is left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(TINY_CONFIG).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 0.2)
-            model.model.embed_tokens.weight.normal_(0.0, 1.0)
-    return model
+        return init_large_gaps(LlamaForCausalLM(TINY_CONFIG).eval())

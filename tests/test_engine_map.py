@@ -9,6 +9,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from PIL import Image
 
+from minillm.widgets import engine_map
 from minillm.widgets.engine_map import BOXES, CHAPTERS, DPI, FIGSIZE, draw_engine_map
 from minillm.widgets.figure_check import overlapping_texts
 
@@ -32,7 +33,7 @@ def _inside_pixel(fig: Figure, name: str) -> tuple[int, int]:
 
 
 def test_keys_are_the_chapters():
-    assert KEYS == [f"{i:02d}" for i in range(10)]
+    assert KEYS == [f"{i:02d}" for i in range(11)]
     assert {b.chapter for b in BOXES} == set(KEYS)
 
 
@@ -46,7 +47,7 @@ def test_each_chapter_draws_without_overlaps(key):
     assert overlapping_texts(fig) == []
 
 
-@pytest.mark.parametrize("key", [None, "04"])
+@pytest.mark.parametrize("key", [None, "04", "10"])
 def test_labels_stay_inside_their_boxes(key):
     fig = draw_engine_map(key)
     renderer = fig.canvas.get_renderer()
@@ -95,9 +96,39 @@ def test_several_keys_and_none():
     assert len({to_rgba(p.get_facecolor()) for p in _patches(fig).values()}) >= 9
 
 
-@pytest.mark.parametrize("bad", ["4", "10", "ch04", ["04", "x"]])
+def _corners(box) -> list[tuple[float, float]]:
+    return [(box.x0, box.y0), (box.x0, box.y1), (box.x1, box.y0), (box.x1, box.y1)]
+
+
+def test_chapter_10_draws_the_engine_core_process_around_the_core_and_the_client_in_the_front_end():
+    """The engine-core process (a polygon) holds the scheduler, the KV cache manager and the model runner with
+    everything inside it, and leaves out the entry points, whose box holds the client."""
+    from matplotlib.path import Path
+
+    boxes = {b.name: b for b in BOXES}
+    fig = draw_engine_map("10")
+    patches = _patches(fig)
+    assert {n for n, p in patches.items() if p.chapter == "10"} == {"core_process", "client"}
+    region = Path(boxes["core_process"].outline)
+    inside = ["scheduler", "kv_cache", "capstone", "model_runner", "prepare_inputs", "model", "attention", "kernel",
+              "sampler"]
+    for name in inside:
+        assert region.contains_points(_corners(boxes[name])).all(), name
+    for name in ("entry", "client", "context_parallel", "beyond"):
+        assert not region.contains_points(_corners(boxes[name])).any(), name
+    entry, client = boxes["entry"], boxes["client"]
+    assert entry.x0 < client.x0 < client.x1 < entry.x1 and entry.y0 < client.y0 < client.y1 < entry.y1
+    # the requests and outputs arrows cross the process boundary
+    crossings = [pts for pts, label, _, _ in engine_map._ARROWS if label in ("requests", "outputs")]
+    assert len(crossings) == 2
+    for pts in crossings:
+        inside_flags = region.contains_points(pts)
+        assert inside_flags.any() and not inside_flags.all()
+
+
+@pytest.mark.parametrize("bad", ["4", "11", "ch04", ["04", "x"]])
 def test_bad_key_raises_and_names_the_allowed_keys(bad):
-    with pytest.raises(ValueError, match="allowed keys: 00, 01, 02, 03, 04, 05, 06, 07, 08, 09"):
+    with pytest.raises(ValueError, match="allowed keys: 00, 01, 02, 03, 04, 05, 06, 07, 08, 09, 10"):
         draw_engine_map(bad)
 
 

@@ -17,7 +17,7 @@ What is checked, and what the words mean here:
   (``numbers()`` of chinese_helpers: "2 048" and "2048" are one number; link targets are left out, so a link to
   ``05_sampler.ipynb`` does not contribute "05") must appear among the numbers of that English. The English numbers
   are held to the measurements by the asserts in the notebooks' cells; the block can then only restate them.
-- **Chapter openings.** The cell of 00–07 and solutions/08 that holds ``**You will build:**``,
+- **Chapter openings.** The cell of 00–07, solutions/08, 09 and 10 that holds ``**You will build:**``,
   ``**You will be able to answer:**`` and ``**Run time:**`` has, after them, ``**本章内容：**``, ``**能回答的问题：**``
   and ``**运行时间：**``, each with exactly the set of numbers of its English line, and following the glossary.
 - **Notebook 00** has a table ``# | English | 原文 | answered in`` with the 8 questions: the translation and the
@@ -53,6 +53,7 @@ NOTEBOOKS = {
     "07": REPO / "notebooks" / "07_context_parallel.ipynb",
     "08": REPO / "solutions" / "08_capstone.ipynb",
     "09": REPO / "notebooks" / "09_disaggregation_and_tp.ipynb",
+    "10": REPO / "notebooks" / "10_engine_core.ipynb",
 }
 
 # The learner questions, verbatim from the course brief (learner-questions.md): (English translation, original).
@@ -77,10 +78,11 @@ QUESTIONS: dict[str, tuple[str, str]] = {
 }
 
 # Where each question is answered, main answer first. learner-questions.md names 01/07 for Q1 and 05/06 for Q5;
-# 02 and 03 answer Q2 and Q3 a second way; 09 answers Q1-Q4 beyond one engine (disaggregation, tensor parallelism).
+# 02 and 03 answer Q2 and Q3 a second way; 09 answers Q1-Q4 beyond one engine (disaggregation, tensor parallelism);
+# 10 answers Q6 again under async scheduling (what step N+1 counts while step N runs: output placeholders).
 ANSWERED_IN: dict[str, list[str]] = {
     "Q1": ["01", "07", "09"], "Q2": ["01", "02", "09"], "Q3": ["01", "03", "09"], "Q4": ["01", "09"],
-    "Q5": ["05", "06"], "Q6": ["04"], "Q7": ["04"], "Q8": ["05"],
+    "Q5": ["05", "06"], "Q6": ["04", "10"], "Q7": ["04"], "Q8": ["05"],
 }
 
 BLOCK_HEAD = "**直接回答**"

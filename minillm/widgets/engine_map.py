@@ -28,13 +28,14 @@ CHAPTERS: dict[str, str] = {
     "07": "context parallelism across ranks",
     "08": "capstone: your parts in the engine via EngineParts",
     "09": "beyond one engine: disaggregated prefill with a KV connector, tensor parallelism",
+    "10": "the engine as vLLM runs it: the engine-core process and its client, async scheduling, persistent batch",
 }
 
 # One light fill and one edge colour per chapter (a colour-blind-safe palette, lightened for the fills).
 _FILL = {"00": "#dbe6f4", "01": "#fbe3d0", "02": "#d8eedc", "03": "#f5d6d7", "04": "#e4def0",
-         "05": "#eadfd8", "06": "#f6e1f0", "07": "#e6e6e6", "08": "#f2eed5", "09": "#d9eef3"}
+         "05": "#eadfd8", "06": "#f6e1f0", "07": "#e6e6e6", "08": "#f2eed5", "09": "#d9eef3", "10": "#d5efec"}
 _EDGE = {"00": "#4C72B0", "01": "#DD8452", "02": "#55A868", "03": "#C44E52", "04": "#8172B3",
-         "05": "#937860", "06": "#DA8BC3", "07": "#6f6f6f", "08": "#B5A33B", "09": "#4C9DB5"}
+         "05": "#937860", "06": "#DA8BC3", "07": "#6f6f6f", "08": "#B5A33B", "09": "#4C9DB5", "10": "#2A9D8F"}
 _GREY_FILL, _GREY_EDGE, _GREY_TEXT = "#f4f4f4", "#c8c8c8", "#a0a0a0"
 _ARROW = "#404040"
 
@@ -54,6 +55,10 @@ class _Box:
     body: str = ""
     frame: bool = False  # a frame holds other boxes: its title sits at its bottom-left corner
     faint: bool = False  # drawn dashed and pale unless highlighted (a chapter that is not built)
+    # A region that is not a rectangle (chapter 10's process around other boxes): its corners, and the top-left
+    # corner of its title and body. (x0, y0, x1, y1) is then its bounding box.
+    outline: tuple[tuple[float, float], ...] = ()
+    label_at: tuple[float, float] = (0.0, 0.0)
 
 
 BOXES: tuple[_Box, ...] = (
@@ -79,6 +84,14 @@ BOXES: tuple[_Box, ...] = (
          "one prompt's chunks prefilled\nat once on several ranks"),
     _Box("beyond", "09", 36.5, 0.5, 70.0, 9.5, "09 Beyond one engine",
          "prefill engine → KV connector → decode engine\ntensor parallelism: one model on several ranks"),
+    # Chapter 10: the engine core's own process holds the scheduler, the KV cache manager and the model runner (behind
+    # the executor); the entry points keep the client. The process runs behind every other box, out of the entry
+    # points' corner, down to a pocket at the bottom right that carries its name.
+    _Box("core_process", "10", 0.2, 3.9, 99.8, 44.8, "10 Engine-core process",
+         "EngineCoreProc: busy loop,\ninput and output socket threads,\nExecutor → ModelRunner (model thread)",
+         frame=True, outline=((26.2, 44.8), (99.8, 44.8), (99.8, 3.9), (72.0, 3.9), (72.0, 10.5), (0.2, 10.5),
+                              (0.2, 32.9), (26.2, 32.9)), label_at=(73.0, 11.2)),
+    _Box("client", "10", 1.5, 33.9, 19.5, 38.4, "10 EngineCoreClient", "ZMQ sockets · msgpack"),
 )
 
 # (points of the path in data units, label, label position, label alignment); each path ends with an arrow head.
@@ -128,7 +141,7 @@ def draw_engine_map(highlight: str | Sequence[str] | None = None) -> Figure:
     Scheduler.update_from_output → outputs).
 
     Args:
-        highlight: a chapter key (``"00"`` … ``"09"``) or several; its boxes are coloured and the others grey.
+        highlight: a chapter key (``"00"`` … ``"10"``) or several; its boxes are coloured and the others grey.
             ``None`` colours every chapter.
 
     Returns:
@@ -140,7 +153,7 @@ def draw_engine_map(highlight: str | Sequence[str] | None = None) -> Figure:
         ValueError: a key that is not a chapter; the message lists the allowed keys.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Polygon
     from matplotlib.path import Path
 
     highlighted = _chapters(highlight)
@@ -153,13 +166,23 @@ def draw_engine_map(highlight: str | Sequence[str] | None = None) -> Figure:
 
     for box in BOXES:
         st = box_style(box, highlighted)
-        patch = FancyBboxPatch((box.x0, box.y0), box.x1 - box.x0, box.y1 - box.y0,
-                               boxstyle="round,pad=0,rounding_size=0.8", facecolor=st["fill"],
-                               edgecolor=st["edge"], linewidth=st["linewidth"],
-                               linestyle="--" if box.faint else "-", zorder=1 if box.frame else 2)
+        style = dict(facecolor=st["fill"], edgecolor=st["edge"], linewidth=st["linewidth"],
+                     linestyle="--" if box.faint else "-")
+        if box.outline:  # behind the frames it holds
+            patch = Polygon(box.outline, closed=True, joinstyle="round", zorder=0.5, **style)
+        else:
+            patch = FancyBboxPatch((box.x0, box.y0), box.x1 - box.x0, box.y1 - box.y0,
+                                   boxstyle="round,pad=0,rounding_size=0.8", zorder=1 if box.frame else 2, **style)
         patch.set_gid(f"box:{box.name}")
         patch.chapter = box.chapter
         ax.add_patch(patch)
+        if box.outline:
+            x, y = box.label_at
+            ax.text(x, y, box.title, fontsize=8.5, fontweight="bold", color=st["text"], ha="left", va="top",
+                    zorder=3, gid=f"text:{box.name}")
+            ax.text(x, y - 2.1, box.body, fontsize=8, color=st["text"], ha="left", va="top", linespacing=1.25,
+                    zorder=3, gid=f"text:{box.name}")
+            continue
         if box.frame:
             ax.text(box.x0 + 1.0, box.y0 + 0.6, box.title, fontsize=8.5, fontweight="bold", color=st["text"],
                     ha="left", va="bottom", zorder=3, gid=f"text:{box.name}")

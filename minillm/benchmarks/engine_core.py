@@ -372,10 +372,8 @@ def plot_timeline(events: list[tuple[str, float, float]], path: str, num_steps: 
                   title: str = "engine core, own process, async scheduling") -> None:
     """Save a figure of the first ``num_steps`` steps, one row per event kind, time in ms from the first event;
     below it, a zoom on the last three of them, where the sub-millisecond schedule and update events show."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot's: switching pyplot's backend would close a notebook's figures.
+    from matplotlib.figure import Figure
 
     t = split_timeline(events)
     if not t["schedule"]:
@@ -387,7 +385,8 @@ def plot_timeline(events: list[tuple[str, float, float]], path: str, num_steps: 
     # The zoom: from the scheduling of the first zoomed step to the update of the last one.
     zoom = (ms["schedule"][first_zoomed][0], max(e for kind in EVENT_KINDS for s, e in ms[kind][first_zoomed:last + 1]))
     colors = {"schedule": "tab:blue", "execute": "tab:orange", "update": "tab:green"}
-    fig, axes = plt.subplots(2, 1, figsize=(12, 4.8))
+    fig = Figure(figsize=(12, 4.8))
+    axes = fig.subplots(2, 1)
     for ax, (lo, hi) in zip(axes, [(0.0, max(e for kind in EVENT_KINDS for _, e in ms[kind])), zoom]):
         min_width = (hi - lo) / 400  # an event much shorter than the axis would not show at all
         for row, kind in enumerate(EVENT_KINDS):
@@ -405,7 +404,6 @@ def plot_timeline(events: list[tuple[str, float, float]], path: str, num_steps: 
     axes[1].set_xlabel("ms since the first step was scheduled")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 class _ModelAsOracle:

@@ -427,6 +427,7 @@ class AsyncMPClient(MPClient):
 def _monitor(client_ref: Any, proc: Any, resources: _BackgroundResources) -> None:
     """Monitor thread: the core's process ended; unless we stopped it, every waiter hears it now."""
     multiprocessing.connection.wait([proc.sentinel])
+    proc.join(timeout=1)  # reaps it: exitcode is None until the process is waited for
     client = client_ref()
     if client is not None and not resources.shutting_down:
         client._mark_dead(f"the engine core process (pid {proc.pid}) died unexpectedly (exit code {proc.exitcode})")

@@ -8,6 +8,10 @@ use them are ``tests/test_exercise_delegation.py``, ``tests/test_capstone.py`` a
 ``answer_cell(number)`` gives the whole cell: the solution cell's comment lines (its ``# Exercise N.M:`` title and
 the contract lines) followed by the delegating body, so the capstone's loader and nbgrader find it as they find a
 learner's answer.
+
+``CHALLENGE_DELEGATING`` holds the same for the open challenges kept here (``"C10"``: ``answer_cell("C10")`` gives its
+``# Challenge 10:`` cell), used by their chapters' test files; the earlier challenges' delegating answers are written
+in their chapters' test files.
 """
 from __future__ import annotations
 
@@ -250,19 +254,37 @@ class PlaceholderScheduler(AsyncScheduler):
 }
 
 
+# Open challenge -> an answer that hands the work to the challenge's reference (minillm/exercises/challenges/).
+CHALLENGE_DELEGATING: dict[str, str] = {
+    "C10": '''
+from minillm.exercises.challenges.ch10 import request_regions, swap_plan
+
+
+def reorder_batch_to_split_decodes_and_prefills(input_batch, scheduler_output, decode_threshold=1):
+    swaps = swap_plan(request_regions(input_batch, scheduler_output, decode_threshold))
+    for i, j in swaps:
+        input_batch.swap_states(i, j)
+    return bool(swaps)
+''',
+}
+
+
 def solution_cell(number: str) -> str:
-    """The source of exercise ``number``'s cell in its solution notebook."""
-    nb = nbformat.read(ROOT / "solutions" / NOTEBOOK[number.split(".")[0]], as_version=4)
-    return next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(f"# Exercise {number}:"))
+    """The source of exercise ``number``'s cell in its solution notebook ("2.1"; "C10" for chapter 10's challenge)."""
+    chapter = number[1:] if number.startswith("C") else number.split(".")[0]
+    title = f"# Challenge {chapter}:" if number.startswith("C") else f"# Exercise {number}:"
+    nb = nbformat.read(ROOT / "solutions" / NOTEBOOK[chapter], as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(title))
 
 
 def answer_cell(number: str) -> str:
-    """A whole answer cell for exercise ``number`` that delegates: the solution cell's leading comment lines, then
-    the delegating body."""
+    """A whole answer cell for exercise ``number`` (or challenge ``"C10"``) that delegates: the solution cell's
+    leading comment lines, then the delegating body."""
     lines = solution_cell(number).splitlines()
     head = []
     for line in lines:
         if not line.startswith("#"):
             break
         head.append(line)
-    return "\n".join(head) + "\n" + DELEGATING[number].strip("\n") + "\n"
+    body = CHALLENGE_DELEGATING[number] if number.startswith("C") else DELEGATING[number]
+    return "\n".join(head) + "\n" + body.strip("\n") + "\n"

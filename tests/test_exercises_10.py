@@ -6,19 +6,30 @@ function or class in place of the learner's, and asserts that the check fails wi
 mistake. The wrong answers of 10.1 are the solution's cell with one edit (tests/exercise_helpers.mutated), so they stay
 in step with it. The notebook runs on the tiny model: a run up to a check takes about a second. The engine core's
 acceptance of a learner's scheduler under async scheduling is tested in tests/test_engine_core.py.
+
+Challenge 10 (reorder the persistent batch, minillm/exercises/challenges/ch10.py): its check runs after the set-up cell
+alone; its wrong answers are the solution's cell with one edit or short functions written here (ids moved without
+their data, a rebuilt or permuted batch, a selection sort that swaps too often). Its reference is tested on random
+batches with hypothesis: vLLM's four rules, region order, data moved with each request, and as many swaps as vLLM's
+loop makes (k - 1 per cycle of k misplaced requests, counted here independently).
 """
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import nbformat
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minillm.core.sched.async_scheduler import AsyncScheduler
 from minillm.core.sched.scheduler import Scheduler
 from minillm.exercises.build import BEGIN
-from tests.exercise_helpers import (EXERCISE_HEADING, HINT_FORMAT, ROOT, exercise_source, mutated, run_check,
-                                    run_check_with_answer)
+from minillm.worker.input_batch import InputBatch
+from minillm.worker.model_runner import CachedRequestState
+from tests.exercise_helpers import (CHALLENGE_HEADING, EXERCISE_HEADING, HINT_FORMAT, ROOT, exercise_source, mutated,
+                                    run_challenge, run_check, run_check_with_answer)
 
 SOLUTION = "10_engine_core.ipynb"
 HEADER = """from minillm.core.sched.output import SchedulerOutput
@@ -313,6 +324,295 @@ def test_10_2_the_stub_fails_with_not_implemented():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Challenge 10: reorder the persistent batch for the attention backend
+
+def _challenge_10(**replace) -> BaseException | None:
+    """Challenge 10's check after the set-up cell alone (the exercises' cells are tested above)."""
+    return run_challenge(SOLUTION, 10, setup_only=True, **replace)
+
+
+def _wrong_c10(*edits: tuple[str, str]):
+    return mutated(SOLUTION, "C10", "reorder_batch_to_split_decodes_and_prefills", *edits, header=HEADER)
+
+
+_REGIONS_LINE = ("np.where(computed == 0, 3, np.where(scheduled > decode_threshold, 2, np.where(computed < prompt, 1, "
+                 "0)))")
+
+
+def _regions(batch, so, threshold):
+    """A learner's classification for the hand-written wrong answers below (0 decode ... 3 prefill)."""
+    import numpy as np
+
+    n = batch.num_reqs
+    scheduled = np.array([so.num_scheduled_tokens[rid] for rid in batch.req_ids])
+    computed, prompt = batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n]
+    return np.where(computed == 0, 3, np.where(scheduled > threshold, 2, np.where(computed < prompt, 1, 0)))
+
+
+def ids_only(input_batch, scheduler_output, decode_threshold=1):
+    """Sorts the ids (req_ids and req_id_to_index) and leaves the buffers where they were."""
+    import numpy as np
+
+    order = np.argsort(_regions(input_batch, scheduler_output, decode_threshold), kind="stable")
+    ids = list(input_batch.req_ids)
+    if order.tolist() == list(range(len(ids))):
+        return False
+    for slot, i in enumerate(order.tolist()):
+        input_batch.req_ids[slot] = ids[i]
+        input_batch.req_id_to_index[ids[i]] = slot
+    return True
+
+
+def rebuilt(input_batch, scheduler_output, decode_threshold=1):
+    """Takes every request out and adds them back in region order (a state made from each slot)."""
+    import numpy as np
+
+    b = input_batch
+    order = np.argsort(_regions(b, scheduler_output, decode_threshold), kind="stable")
+    if order.tolist() == list(range(b.num_reqs)):
+        return False
+    states = []
+    for i in order.tolist():
+        n, k = int(b.num_tokens_no_spec[i]), int(b.block_table.num_blocks_per_row[i])
+        states.append(CachedRequestState(b.req_ids[i], int(b.num_prompt_tokens[i]), None,
+                                         b.token_ids_cpu[i, :n].tolist(), b.block_table.block_table[i, :k].tolist(),
+                                         int(b.num_computed_tokens_cpu[i])))
+    for state in states:
+        b.remove_request(state.req_id)
+    b.condense()
+    for state in states:
+        b.add_request(state)
+    return True
+
+
+def permuted(input_batch, scheduler_output, decode_threshold=1):
+    """Permutes every buffer with one fancy index instead of swapping slots."""
+    import numpy as np
+
+    b = input_batch
+    order = np.argsort(_regions(b, scheduler_output, decode_threshold), kind="stable")
+    if order.tolist() == list(range(b.num_reqs)):
+        return False
+    n = b.num_reqs
+    for buf in (b.token_ids_cpu, b.num_tokens_no_spec, b.num_prompt_tokens, b.num_computed_tokens_cpu,
+                b.block_table.block_table, b.block_table.num_blocks_per_row):
+        buf[:n] = buf[order]
+    ids = [b.req_ids[i] for i in order.tolist()]
+    b.req_ids[:] = ids
+    b.req_id_to_index.update({rid: slot for slot, rid in enumerate(ids)})
+    return True
+
+
+def selection_sort(input_batch, scheduler_output, decode_threshold=1):
+    """For each slot in turn, swaps in the first later request of the region wanted there: right order, too many
+    swaps (regions [L, D, D] take two where one does)."""
+    regions = _regions(input_batch, scheduler_output, decode_threshold).tolist()
+    wanted, moved = sorted(regions), False
+    for i in range(len(regions)):
+        if regions[i] != wanted[i]:
+            j = next(j for j in range(i + 1, len(regions)) if regions[j] == wanted[i])
+            input_batch.swap_states(i, j)
+            regions[i], regions[j] = regions[j], regions[i]
+            moved = True
+    return moved
+
+
+WRONG_C10 = {
+    "regions in the wrong order": (_wrong_c10((_REGIONS_LINE, "3 - " + _REGIONS_LINE)),
+                                   ("a long extend", "after slot", "The regions go decode, short extend, long extend, "
+                                    "prefill in slot order")),
+    "a short extend counted as a decode": (_wrong_c10(("np.where(computed < prompt, 1, 0)", "0")),
+                                           ("a decode (1 token scheduled", "a short extend",
+                                            "A short extend is not a decode", "still prefilling")),
+    "a long first chunk counted as a long extend": (
+        _wrong_c10((_REGIONS_LINE, "np.where(scheduled > decode_threshold, 2, np.where(computed == 0, 3, "
+                                   "np.where(computed < prompt, 1, 0)))")),
+        ("a prefill", "A prefill is a request with nothing computed yet", "whatever its size")),
+    "returns True when nothing moved": (_wrong_c10(("    if wrong.size == 0:\n        return False\n", "")),
+                                        ("returned True, expected False", "already in region order",
+                                         "so return False")),
+    "swaps only the ids": (ids_only, ("you moved the request id but not its data", "batch.swap_states(i, j) "
+                                      "exchanges two slots whole")),
+    "rebuilds the batch": (rebuilt, ("called batch.add_request, batch.condense, batch.remove_request",
+                                     "not by rebuilding the batch", "BatchUpdateBuilder.moved")),
+    "permutes the buffers": (permuted, ("0 swap_states call(s) would leave the slots", "you moved requests some "
+                                        "other way")),
+    "more swaps than vLLM's loop": (selection_sort, ("called swap_states 2 times, vLLM's loop once",
+                                                     "a cycle of k misplaced requests takes k - 1 swaps")),
+}
+
+
+def test_challenge_10_solution_passes():
+    assert _challenge_10() is None
+
+
+@pytest.mark.parametrize("mistake", sorted(WRONG_C10))
+def test_challenge_10_mistakes_are_named(mistake):
+    wrong, phrases = WRONG_C10[mistake]
+    _assert_caught(_challenge_10(reorder_batch_to_split_decodes_and_prefills=wrong), "decode_threshold=",
+                   "step ", *phrases)
+
+
+def test_challenge_10_a_swap_through_the_class_counts_and_passes():
+    wrong = _wrong_c10(("input_batch.swap_states(start, d)", "InputBatch.swap_states(input_batch, start, d)"))
+    wrong.__globals__["InputBatch"] = InputBatch
+    assert _challenge_10(reorder_batch_to_split_decodes_and_prefills=wrong) is None
+
+
+def test_challenge_10_a_crash_names_the_step_and_the_methods_are_put_back():
+    swap = InputBatch.__dict__["swap_states"]
+
+    def crashes(input_batch, scheduler_output, decode_threshold=1):
+        input_batch.swap_states(0, 0)
+        raise KeyError("oops")
+
+    _assert_caught(_challenge_10(reorder_batch_to_split_decodes_and_prefills=crashes), "step 0 of",
+                   "your function raised KeyError")
+    assert InputBatch.__dict__["swap_states"] is swap
+
+
+@pytest.mark.parametrize("how", ["the halves", "the reference"])
+def test_challenge_10_delegating_fails(how):
+    from tests.delegating_answers import answer_cell
+
+    answer = answer_cell("C10")
+    if how == "the reference":
+        answer = answer.replace("import request_regions, swap_plan",
+                                "import reorder_batch_to_split_decodes_and_prefills as _ref")
+        answer = answer.replace("    swaps = swap_plan(", "    return _ref(input_batch, scheduler_output, "
+                                "decode_threshold)\n    swaps = swap_plan(")
+    error = run_check_with_answer(SOLUTION, "10", answer, setup_only=True)
+    _assert_caught(error, "Challenge 10 asks you to write this yourself",
+                   "request_regions" if how == "the halves" else "reorder_batch_to_split_decodes_and_prefills")
+
+
+def test_challenge_10_the_stub_fails_with_not_implemented():
+    answer = exercise_source(SOLUTION, "C10")
+    stubbed = re.sub(r"### BEGIN SOLUTION.*?### END SOLUTION", "raise NotImplementedError('C10')", answer, flags=re.S)
+    assert isinstance(run_check_with_answer(SOLUTION, "10", stubbed, setup_only=True), NotImplementedError)
+
+
+def test_challenge_10_the_runs_go_through_every_case():
+    """The counts the check returns: each case a mistake above needs is there."""
+    from minillm.exercises.challenges.ch10 import check_reorder_batch
+
+    ns: dict = {}
+    exec(compile(HEADER + exercise_source(SOLUTION, "C10"), "<C10>", "exec"), ns)  # noqa: S102
+    counts = check_reorder_batch(ns["reorder_batch_to_split_decodes_and_prefills"], verbose=False)
+    assert counts["steps"] >= 100 and counts["reorders"] == 2 * counts["steps"]
+    for key in ("decode", "short extend", "long extend", "prefill", "reorders that moved requests",
+                "batches with all four regions"):
+        assert counts[key] > 0, key
+    assert counts["longest cycle"] >= 3  # a 3-cycle: two swaps from one slot
+    assert counts["reorders that moved requests"] < counts["reorders"]  # and batches already in order
+
+
+# -- the reference on random batches (hypothesis): vLLM's rules, its loop's number of swaps ---------------------------
+
+@st.composite
+def random_batches(draw):
+    """A condensed InputBatch of 1 to 7 requests with random lengths, context and blocks, and its step's plan (only
+    ``num_scheduled_tokens``, all the reorder reads)."""
+    n = draw(st.integers(1, 7))
+    batch = InputBatch(8, 32, 4)
+    scheduled = {}
+    for i in range(n):
+        prompt = draw(st.integers(1, 12))
+        tokens = draw(st.integers(prompt, 20))
+        computed = draw(st.sampled_from([0, draw(st.integers(1, tokens))]))  # a first chunk half of the time
+        blocks = draw(st.lists(st.integers(1, 99), min_size=0, max_size=8))
+        batch.add_request(CachedRequestState(f"r{i}", prompt, None, list(range(100 * i, 100 * i + tokens)), blocks,
+                                             computed))
+        scheduled[f"r{i}"] = draw(st.integers(1, 5))
+    return batch, SimpleNamespace(num_scheduled_tokens=scheduled)
+
+
+def _cycles_of_the_stable_assignment(regions):
+    """How many cycles vLLM's loop follows: the misplaced requests, in region order, go to the misplaced slots in
+    slot order (computed here with sorted(), as an independent account)."""
+    wanted = sorted(regions)
+    wrong = [i for i in range(len(regions)) if regions[i] != wanted[i]]
+    movers = sorted(wrong, key=lambda i: (regions[i], i))
+    goes_to = dict(zip(movers, wrong))
+    seen, cycles = set(), 0
+    for s in wrong:
+        if s not in seen:
+            cycles += 1
+            while s not in seen:
+                seen.add(s)
+                s = goes_to[s]
+    return len(wrong), cycles
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_batches(), st.integers(1, 4))
+def test_the_reference_sorts_by_vllms_rules_with_its_loops_swaps(case, threshold):
+    from minillm.exercises.challenges.ch10 import (LONG_EXTEND, PREFILL, SHORT_EXTEND,
+                                                   reorder_batch_to_split_decodes_and_prefills, request_regions)
+
+    batch, so = case
+    before = {rid: (batch.get_token_ids(rid).tolist(), int(batch.num_prompt_tokens[i]),
+                    int(batch.num_computed_tokens_cpu[i]), batch.block_table.block_table[i].tolist())
+              for rid, i in batch.req_id_to_index.items()}
+    regions = request_regions(batch, so, threshold).tolist()
+    for i, rid in enumerate(batch.req_ids):  # vLLM's four rules, one request at a time
+        computed, n = int(batch.num_computed_tokens_cpu[i]), so.num_scheduled_tokens[rid]
+        want = (PREFILL if computed == 0 else LONG_EXTEND if n > threshold
+                else SHORT_EXTEND if computed < int(batch.num_prompt_tokens[i]) else 0)
+        assert regions[i] == want, (rid, computed, n)
+    misplaced, cycles = _cycles_of_the_stable_assignment(regions)
+    slots_before = dict(batch.req_id_to_index)
+    swaps = []
+    real = InputBatch.swap_states
+    batch.swap_states = lambda i, j: (swaps.append((i, j)), real(batch, i, j))  # this batch only
+    moved = reorder_batch_to_split_decodes_and_prefills(batch, so, threshold)
+    assert moved == (misplaced > 0) and len(swaps) == misplaced - cycles  # k - 1 swaps per cycle of k
+    after = request_regions(batch, so, threshold).tolist()
+    assert after == sorted(regions)
+    for rid, i in batch.req_id_to_index.items():  # every request's data moved with it
+        assert (batch.get_token_ids(rid).tolist(), int(batch.num_prompt_tokens[i]),
+                int(batch.num_computed_tokens_cpu[i]), batch.block_table.block_table[i].tolist()) == before[rid]
+        if regions[slots_before[rid]] == after[slots_before[rid]]:
+            assert i == slots_before[rid], f"{rid} was in a slot of its region and moved"
+
+
+def test_the_steps_inputs_ignore_the_slot_order_and_catch_a_changed_token():
+    """ModelRunner._prepare_inputs gathers in the plan's order: swapping slots leaves the inputs as they were, and the
+    check's comparison of them names what changed."""
+    from minillm.exercises.challenges.ch10 import _inputs_problem, _step_inputs
+
+    batch = InputBatch(4, 16, 4)
+    batch.add_request(CachedRequestState("a", 3, None, [5, 6, 7, 8], [3, 4], 3))
+    batch.add_request(CachedRequestState("b", 6, None, [9, 10, 11, 12, 13, 14], [7, 2], 2))
+    so = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 4}, scheduled_spec_decode_tokens={})
+    want = _step_inputs(batch, so)
+    assert want.input_ids.tolist() == [8, 11, 12, 13, 14]
+    batch.swap_states(0, 1)
+    assert _inputs_problem(batch, so, want) is None
+    batch.token_ids_cpu[batch.req_id_to_index["b"], 3] = 99
+    assert "the step's input_ids differ" in _inputs_problem(batch, so, want)
+
+
+def test_the_reference_refuses_bad_input():
+    from minillm.exercises.challenges.ch10 import reorder_batch_to_split_decodes_and_prefills as reorder
+
+    batch = InputBatch(4, 16, 4)
+    for i in range(3):
+        batch.add_request(CachedRequestState(f"r{i}", 2, None, [1, 2], [1], 0))
+    so = SimpleNamespace(num_scheduled_tokens={"r0": 2, "r1": 2, "r2": 2})
+    for threshold in (0, 1.5, True, "1"):
+        with pytest.raises(ValueError, match=r"decode_threshold must be an integer >= 1"):
+            reorder(batch, so, threshold)
+    with pytest.raises(ValueError, match=r"\['r2'\] are in the batch but not scheduled"):
+        reorder(batch, SimpleNamespace(num_scheduled_tokens={"r0": 1, "r1": 1}))
+    batch.remove_request("r1")
+    with pytest.raises(ValueError, match=r"the batch has holes .*after condense\(\)"):
+        reorder(batch, so)
+    batch.condense()
+    assert reorder(batch, so) is False and batch.req_ids == ["r0", "r2"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The notebook's format
 
 def test_the_exercises_have_a_heading_a_two_step_hint_and_a_check():
@@ -321,32 +621,47 @@ def test_the_exercises_have_a_heading_a_two_step_hint_and_a_check():
     for i, cell in enumerate(cells):
         if cell.cell_type != "code" or BEGIN not in cell.source:
             continue
-        number = re.match(r"# Exercise (\d+\.\d+):", cell.source).group(1)
+        m = re.match(r"# (?:Exercise (\d+\.\d+)|Challenge (\d+)):", cell.source)
+        number = m.group(1) or f"C{m.group(2)}"
         heading, hint = cells[i - 2], cells[i - 1]
-        m = EXERCISE_HEADING.match(heading.source)
-        assert m and m.group(1) == number, f"exercise {number}: no '### Exercise {number} ★ title' two cells above"
+        if number.startswith("C"):
+            h = CHALLENGE_HEADING.match(heading.source)
+            assert h and h.group(1) == number[1:] and f"**挑战 {number[1:]} ★★★ " in heading.source, (
+                f"challenge {number}: no '### Challenge {number[1:]} ★★★ title (optional, extra credit)' two "
+                f"cells above, with its Chinese statement")
+            assert "vllm/v1/attention/backends/utils.py:reorder_batch_to_split_decodes_and_prefills" in heading.source
+            stars = "★★★"
+        else:
+            h = EXERCISE_HEADING.match(heading.source)
+            assert h and h.group(1) == number, f"exercise {number}: no '### Exercise {number} ★ title' above"
+            stars = h.group(2)
         assert HINT_FORMAT.match(hint.source.strip()), f"exercise {number}: the hint is not two <details> steps"
-        assert cells[i + 1].source.startswith(f"# Check Exercise {number}")
-        # The check functions run the answer under the tripwire themselves (minillm/exercises/ch10).
+        kind = "Challenge 10" if number == "C10" else f"Exercise {number}"
+        assert cells[i + 1].source.startswith(f"# Check {kind}")
+        # The check functions run the answer under the tripwire themselves (minillm/exercises/ch10, challenges/ch10).
         assert {"10.1": "check_update_states(update_states, ", "10.2": "check_placeholder_scheduler("
-                "PlaceholderScheduler, "}[number] in cells[i + 1].source
-        found.append((number, m.group(2)))
-    assert found == [("10.1", "★★"), ("10.2", "★★")]
+                "PlaceholderScheduler, ", "C10": "check_reorder_batch(reorder_batch_to_split_decodes_and_prefills, "
+                }[number] in cells[i + 1].source
+        found.append((number, stars))
+    assert found == [("10.1", "★★"), ("10.2", "★★"), ("C10", "★★★")]
     intro = cells[0].source
     assert re.search(r"Run time: about [\d.]+ (s|min) on a 2-core CPU", intro) and "Points: 4 " in intro
-    for number, stars in found:
+    for number, stars in found[:2]:
         assert f"**Exercise {number} {stars}**" in intro
+    assert "**Challenge 10 ★★★** (extra credit)" in intro and "**挑战 10 ★★★**" in intro
 
 
 ANSWER_FRAGMENTS = {"10.1": ("state.block_ids.extend", "batch.block_table.append_row(", "to_add", "getsource"),
-                    "10.2": ("num_output_placeholders += 1", "num_output_placeholders -= ", "getsource")}
+                    "10.2": ("num_output_placeholders += 1", "num_output_placeholders -= ", "getsource"),
+                    "C10": ("dest[start] = dest[d]", "goes_to[dest]", "np.argsort(regions", "getsource")}
 
 
 @pytest.mark.parametrize("number", sorted(ANSWER_FRAGMENTS))
 def test_no_answer_is_shown_unfolded_before_its_exercise(number):
     """Before an exercise's cell, no code cell, output or unfolded text holds its answer (the folded hints may)."""
     cells = nbformat.read(ROOT / "solutions" / SOLUTION, as_version=4).cells
-    at = next(i for i, c in enumerate(cells) if c.cell_type == "code" and c.source.startswith(f"# Exercise {number}:"))
+    title = f"# Challenge {number[1:]}:" if number.startswith("C") else f"# Exercise {number}:"
+    at = next(i for i, c in enumerate(cells) if c.cell_type == "code" and c.source.startswith(title))
     for i, cell in enumerate(cells[:at]):
         if cell.cell_type == "markdown" and cell.source.lstrip().startswith("<details>"):
             continue

@@ -79,11 +79,6 @@ WRONG_10_1 = {
     "ignores the drafts": ((("    for rid, drafts in so.scheduled_spec_decode_tokens.items():\n"
                              "        batch.update_req_spec_token_ids(rid, drafts)\n", ""),),
                            ("verifies the draft tokens", "batch.update_req_spec_token_ids(")),
-    "writes the drafts before condensing": (
-        (("    batch.condense()\n", ""),
-         ("        batch.update_req_spec_token_ids(rid, drafts)\n",
-          "        batch.update_req_spec_token_ids(rid, drafts)\n    batch.condense()\n")),
-        ("It moved from slot", "write the drafts after condense()")),
     "ignores the resent tokens": ((("            state.token_ids = list(cached.all_token_ids[rid])\n",
                                     "            pass\n"),),
                                   ("the scheduler resent its tokens", "replace its token_ids with them",

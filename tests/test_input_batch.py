@@ -221,6 +221,26 @@ def test_input_batch_refuses_bad_sizes(args, match):
         BlockTable(2, -1)
 
 
+def test_drafts_move_with_their_request():
+    """Drafts sit after a slot's tokens (update_req_spec_token_ids) until the step that verifies them is over: a
+    swap (the attention backend's reorder, challenge 10) or a condense takes them along, whichever slot is longer."""
+    batch = InputBatch(4, 16, 4)
+    for k, (rid, tokens) in enumerate([("A", [1, 2, 3, 4, 5]), ("B", [6]), ("C", [7, 8])]):
+        batch.add_request(CachedRequestState(rid, len(tokens), SamplingParams.greedy(), tokens, [k + 1], 0))
+    batch.update_req_spec_token_ids("B", [90, 91, 92, 93, 94, 95])  # B's tokens and drafts outrun A's tokens
+    batch.update_req_spec_token_ids("C", [80])
+    row = {rid: lambda r=rid: batch.token_ids_cpu[batch.req_id_to_index[r], :7].tolist() for rid in "BC"}
+    before = row["B"]()
+    batch.swap_states(0, 1)
+    assert batch.req_ids == ["B", "A", "C"] and row["B"]() == before == [6, 90, 91, 92, 93, 94, 95]
+    assert batch.get_token_ids("A").tolist() == [1, 2, 3, 4, 5]
+    batch.remove_request("B")
+    batch.condense()  # C moves from slot 2 into slot 0, its draft with it
+    assert batch.req_ids == ["C", "A"] and batch.token_ids_cpu[0, :3].tolist() == [7, 8, 80]
+    batch.append_token_ids(0, [81])  # the step is over: its sampled token replaces the draft
+    assert batch.num_spec_tokens[0] == 0 and batch.get_token_ids("C").tolist() == [7, 8, 81]
+
+
 def test_swap_states_needs_two_requests():
     batch = InputBatch(4, 8, 4)
     batch.add_request(CachedRequestState("A", 1, SamplingParams.greedy(), [3], [1], 0))

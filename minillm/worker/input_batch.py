@@ -77,6 +77,8 @@ class InputBatch:
         self.num_tokens_no_spec = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
+        # Drafts written after each slot's tokens (update_req_spec_token_ids): a slot that moves takes them along.
+        self.num_spec_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = BlockTable(max_num_reqs, -(-max_model_len // block_size))
         self._req_ids: list[str | None] = []  # slot -> request id; None marks a hole until condense()
         self.req_id_to_index: dict[str, int] = {}
@@ -125,6 +127,7 @@ class InputBatch:
         self.num_tokens_no_spec[i] = n
         self.num_prompt_tokens[i] = request.num_prompt_tokens
         self.num_computed_tokens_cpu[i] = request.num_computed_tokens
+        self.num_spec_tokens[i] = 0
         self.block_table.add_row(request.block_ids, i)
         return i
 
@@ -166,10 +169,12 @@ class InputBatch:
             raise ValueError(f"swap_states needs two occupied slots, got {i1} ({id1!r}) and {i2} ({id2!r})")
         self._req_ids[i1], self._req_ids[i2] = id2, id1
         self.req_id_to_index[id1], self.req_id_to_index[id2] = i2, i1
-        # Only the tokens in use: copying whole max_model_len rows would cost O(max_model_len) per swap.
-        n = int(max(self.num_tokens_no_spec[i1], self.num_tokens_no_spec[i2]))
+        # Only the tokens in use, drafts included: copying whole max_model_len rows would cost O(max_model_len).
+        used = self.num_tokens_no_spec + self.num_spec_tokens
+        n = int(max(used[i1], used[i2]))
         self.token_ids_cpu[[i1, i2], :n] = self.token_ids_cpu[[i2, i1], :n]  # the right side is a copy
-        for buf in (self.num_tokens_no_spec, self.num_prompt_tokens, self.num_computed_tokens_cpu):
+        for buf in (self.num_tokens_no_spec, self.num_prompt_tokens, self.num_computed_tokens_cpu,
+                    self.num_spec_tokens):
             buf[[i1, i2]] = buf[[i2, i1]]
         self.block_table.swap_row(i1, i2)
 
@@ -183,6 +188,7 @@ class InputBatch:
         self._check_fits(self._req_ids[req_index], end, 0)
         self.token_ids_cpu[req_index, start:end] = token_ids
         self.num_tokens_no_spec[req_index] = end
+        self.num_spec_tokens[req_index] = 0  # the step that verified them is over
 
     def set_token_ids(self, req_index: int, token_ids: Sequence[int]) -> None:
         """Replace slot ``req_index``'s tokens with ``token_ids`` (the scheduler resent them whole: a token the
@@ -190,6 +196,7 @@ class InputBatch:
         self._check_fits(self._req_ids[req_index], len(token_ids), 0)
         self.token_ids_cpu[req_index, :len(token_ids)] = token_ids
         self.num_tokens_no_spec[req_index] = len(token_ids)
+        self.num_spec_tokens[req_index] = 0
 
     def update_req_spec_token_ids(self, req_id: str, spec_token_ids: Sequence[int]) -> None:
         """Write the draft tokens ``req_id`` verifies this step right after its tokens, where the step's input ids
@@ -199,6 +206,7 @@ class InputBatch:
         start = int(self.num_tokens_no_spec[i])
         self._check_fits(req_id, start + len(spec_token_ids), 0)
         self.token_ids_cpu[i, start:start + len(spec_token_ids)] = spec_token_ids
+        self.num_spec_tokens[i] = len(spec_token_ids)
 
     # -- helpers ----------------------------------------------------------------------------------------------------
     def _check_fits(self, req_id: str | None, num_tokens: int, num_blocks: int) -> None:
@@ -216,8 +224,9 @@ class InputBatch:
         assert req_id is not None and self._req_ids[tgt] is None
         self._req_ids[tgt], self._req_ids[src] = req_id, None
         self.req_id_to_index[req_id] = tgt
-        n = int(self.num_tokens_no_spec[src])
+        n = int(self.num_tokens_no_spec[src] + self.num_spec_tokens[src])
         self.token_ids_cpu[tgt, :n] = self.token_ids_cpu[src, :n]
-        for buf in (self.num_tokens_no_spec, self.num_prompt_tokens, self.num_computed_tokens_cpu):
+        for buf in (self.num_tokens_no_spec, self.num_prompt_tokens, self.num_computed_tokens_cpu,
+                    self.num_spec_tokens):
             buf[tgt] = buf[src]
         self.block_table.move_row(src, tgt)

@@ -340,7 +340,7 @@ class ModelRunner:
         for state in to_add:
             batch.add_request(state)  # the lowest holes first
         batch.condense()
-        # After condense(), so that moving a request copies only its tokens, never drafts.
+        # Last, once every request is in its final slot (a move would carry its drafts along, too).
         for rid, drafts in so.scheduled_spec_decode_tokens.items():
             batch.update_req_spec_token_ids(rid, drafts)
 

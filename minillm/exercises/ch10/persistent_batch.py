@@ -315,12 +315,9 @@ def _batch_problem(mine: InputBatch, ref: InputBatch, so: SchedulerOutput,
         n = int(ref.num_tokens_no_spec[slot])
         got = mine.token_ids_cpu[slot, n:n + len(drafts)].tolist()
         if got != list(drafts):
-            moved = (f". It moved from slot {slots_before[rid]} to slot {slot} in this step: write the drafts after "
-                     f"condense(), which copies a request's tokens, not its drafts"
-                     if rid in slots_before and slots_before[rid] != slot else "")
             return (f"{rid!r} verifies the draft tokens {list(drafts)} in this step, but its slot holds {got} right "
                     f"after its {n} tokens: the step's input ids are gathered from there, so write them with "
-                    f"batch.update_req_spec_token_ids({rid!r}, drafts){moved}")
+                    f"batch.update_req_spec_token_ids({rid!r}, drafts)")
     return None
 
 

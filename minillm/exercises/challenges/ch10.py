@@ -32,9 +32,8 @@ slots whole (in vLLM also their sampling parameters and generators, and it tells
 minillm's ``ModelRunner._prepare_inputs`` gathers the flat batch in the plan's order, whatever the slots, so its
 runner does not reorder; the challenge's check (:func:`check_reorder_batch`) confirms that the step's inputs are the
 same after a reorder. :func:`reorder_batch_to_split_decodes_and_prefills` is the reference it compares with.
-minillm's ``InputBatch.swap_states`` moves a slot's tokens but not the draft tokens written after them (vLLM's moves
-``spec_token_ids`` too, ``vllm/v1/worker/gpu_input_batch.py:InputBatch._get_active_token_count``), so the check writes
-the step's drafts after the reorder, as a runner that reordered would.
+``InputBatch.swap_states`` moves a slot's draft tokens with its tokens, as vLLM's moves ``spec_token_ids``
+(``vllm/v1/worker/gpu_input_batch.py:InputBatch.swap_states``).
 """
 from __future__ import annotations
 
@@ -403,10 +402,6 @@ def replay(reorder: Reorder, recording: Recording, threshold: int) -> dict[str, 
                        + (f"True when it moved requests (here it swapped {_times(swaps)})" if want else
                           "and the batch was already in region order and nothing moved, so return False"))
         if problem is None and want_inputs is not None:
-            for rid, drafts in so.scheduled_spec_decode_tokens.items():
-                # minillm's swap_states moves a slot's tokens, not the drafts written after them: the runner would
-                # write the drafts after the reorder.
-                mine.update_req_spec_token_ids(rid, drafts)
             problem = _inputs_problem(mine, so, want_inputs)
         if problem:
             raise AssertionError(f"{where}: {problem}.")

@@ -41,10 +41,12 @@ def test_tiny_benchmark_run(smollm, hf_oracle):
     that path)."""
     w = make_workload(3, 8, 20, (2, 3), seed=1)
     peers = ("minillm", "minillm-ngram", "hf-padded", "hf-batch", "roofline")
+    # One round: transformers' continuous batching alone takes ~15 s a round here (it sizes its paged cache to the
+    # free memory); the rounds are tested below, on the cheaper peers.
     report = run_benchmark(w, peers, model=smollm[0], tokenizer=smollm[1], hf_model=hf_oracle,
-                           matmul_seconds=0.2, repeat=2, multiprocess=False)
+                           matmul_seconds=0.2, multiprocess=False)
     tps = report["tokens_per_second"]
-    assert report["repeat"] == 2
+    assert report["repeat"] == 1
     assert set(tps) == set(peers) and all(v > 0 for v in tps.values())
     for ours in ("minillm", "minillm-ngram"):
         for peer in ("hf-padded", "hf-batch"):
@@ -65,7 +67,8 @@ def test_tiny_bf16_run_is_at_one_precision(smollm, hf_oracle):
     model, hf = bf16_copy(smollm[0]), bf16_copy(hf_oracle)
     w = make_workload(2, 8, 12, (2, 3), seed=2)
     report = run_benchmark(w, ("minillm", "hf-padded", "roofline"), model=model, tokenizer=smollm[1], hf_model=hf,
-                           matmul_seconds=0.1)
+                           matmul_seconds=0.1, repeat=2)
+    assert report["repeat"] == 2  # interleaved rounds, each system keeping its fastest
     assert report["dtype"] == "bfloat16" and report["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     same = report["greedy_minillm_vs_hf-padded"]
     assert same["real_divergences"] == 0 and same["identical"] + same["near_tie_divergences"] == 2, same

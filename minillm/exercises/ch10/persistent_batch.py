@@ -22,6 +22,7 @@ resends without that step's token.
 from __future__ import annotations
 
 import pickle
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -385,11 +386,9 @@ def check_update_states(update_states: UpdateStates, model: LlamaForCausalLM | N
 
     learner = guard("10.1", update_states)
     model = model if model is not None else tiny_llama()
-    total: dict[str, int] = {}
+    total: Counter[str] = Counter()
     for name, (engine_args, arrivals, aborts, async_scheduling) in SCENARIOS.items():
-        counts = replay(learner, record_plans(model, name, engine_args, arrivals, aborts, async_scheduling))
-        for key, n in counts.items():
-            total[key] = total.get(key, 0) + n
+        total.update(replay(learner, record_plans(model, name, engine_args, arrivals, aborts, async_scheduling)))
     if verbose:
         print(f"Your update_states agrees with ModelRunner._update_states after each of the {total['steps']} steps "
               f"of {len(SCENARIOS)} engine runs. Their plans held {total['new']} new requests, {total['finished']} "

@@ -19,6 +19,7 @@ exercise is about.
 """
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -365,11 +366,10 @@ def check_placeholder_scheduler(scheduler_cls: type, model: LlamaForCausalLM | N
             raise AssertionError(f"{scheduler_cls.__name__} must define {name}: it inherits Scheduler's, which counts "
                                  f"no placeholders")
     model = model if model is not None else tiny_llama()
-    total: dict[str, int] = {}
+    total: Counter[str] = Counter()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-ch10") as pool:
         for scenario in scenarios(model, pool):
-            for key, n in run_lockstep(scenario, learner_cls, model, pool).items():
-                total[key] = total.get(key, 0) + n
+            total.update(run_lockstep(scenario, learner_cls, model, pool))
     if verbose:
         print(f"Your scheduler counts the output placeholders as AsyncScheduler does after every schedule and every "
               f"update of {total['steps']} steps, and the tokens are the synchronous engine's. The steps counted "

@@ -230,15 +230,23 @@ def test_a_bad_request_is_refused_here_and_never_reaches_the_core():
 
 
 def test_ctrl_c_in_generate_leaves_a_usable_engine():
+    """``interrupt_main`` acts only where SIGINT has Python's handler, as in a terminal or a notebook. A pytest
+    worker may have inherited SIG_IGN from an earlier test (an IPython kernel app ignores SIGINT): then the Ctrl-C
+    never came and the loop below ran until pytest's 15-minute timeout. So the handler is set here, and the loop
+    gives up after 60 s."""
     engine = mp_engine(max_num_batched_tokens=64, num_gpu_blocks=200, block_size=4)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         threading.Timer(0.5, _thread.interrupt_main).start()
         long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        deadline = time.monotonic() + 60
         with pytest.raises(KeyboardInterrupt):
             for i in range(10_000):
+                assert time.monotonic() < deadline, "no KeyboardInterrupt within 60 s of interrupt_main"
                 engine.add_request(f"long{i}", list(range(1, 30)), long)
                 while engine.has_requests():
                     engine.step()
+        signal.signal(signal.SIGINT, previous)
         engine.abort_request([f"long{i}" for i in range(10_000)])  # what LLM.generate does on Ctrl-C
         short = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         reference = LLMEngine(tiny_model(), None, EngineArgs(num_gpu_blocks=64))
@@ -250,6 +258,7 @@ def test_ctrl_c_in_generate_leaves_a_usable_engine():
         assert engine.engine_core.call_utility("get_num_unfinished_requests") == 0
         assert engine.get_num_free_blocks() == engine.num_gpu_blocks - 1
     finally:
+        signal.signal(signal.SIGINT, previous)
         engine.shutdown()
 
 

@@ -6,7 +6,7 @@ entries field by field (twice: once for the weights, once more inside transforme
 process pays it. The result never changes for a given file, so the first load keeps it (fp32 safetensors after the
 Q/K unpermute, and the tokenizer saved by ``save_pretrained``) and later loads read it back in about a second.
 
-Where: ``$MINILLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/minillm``, else ``~/.cache/minillm`` (about 540 MB for
+Where: ``$MINILLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/minillm``, else ``~/.cache/minillm`` (about 520 MB for
 SmolLM2). ``MINILLM_CACHE_DIR=off`` turns the cache off. An entry is keyed by the file's resolved path, size and
 modification time and by :data:`CACHE_VERSION`, so a changed file or a changed loader never reads a stale entry. An
 entry is written to a temporary directory and renamed into place, so two processes loading at once (pytest's

@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 
 # JupyterLab settings for this venv (jupyter/overrides.json): widget messages on the kernel's main thread, not on a
 # subshell thread (JupyterLab 4.6's default), so a learner's own plt.show() inside a widget callback cannot race
-# matplotlib-inline's flush_figures. The course's widgets draw safely either way (minillm/widgets/figure_view.py).
+# matplotlib-inline's flush_figures. The course's widgets draw safely either way (minillm/course/widgets/figure_view.py).
 LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 $(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
 	mkdir -p $(@D)
@@ -42,7 +42,7 @@ classroom: setup $(CLASSROOM_STAMP)
 CLASSROOM_DIR ?= build/classroom-demo
 DEMO ?= 00_warmup
 classroom-demo: classroom
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m minillm.exercises nbgrader $(CLASSROOM_DIR) --demo $(DEMO)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m minillm.course.exercises nbgrader $(CLASSROOM_DIR) --demo $(DEMO)
 
 # Served from the repository root, so notebooks/, exercises/ and solutions/ are all reachable.
 # LAB_ARGS passes extra options, e.g. make lab LAB_ARGS="--no-browser --port=8899"
@@ -95,7 +95,7 @@ test-book: setup book
 	$(PY) -m pytest -p no:xdist tests/book_checks.py tests/book_browser.py
 
 exercises: setup
-	$(PY) -m minillm.exercises build
+	$(PY) -m minillm.course.exercises build
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

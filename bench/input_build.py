@@ -5,7 +5,7 @@ Run from the repository root (under a minute on 2 cores)::
     python bench/input_build.py
     python bench/input_build.py --num-requests 64 --reps 9
 
-The workload is bench/throughput.py's (:func:`minillm.benchmarks.throughput.make_workload`: 32 requests, random
+The workload is bench/throughput.py's (:func:`minillm.course.benchmarks.throughput.make_workload`: 32 requests, random
 prompts of 30-400 tokens, outputs of 8-96 tokens, greedy), served by a real :class:`LLMEngine` with chunked prefill
 and the default token budget. The model is a random 2-layer Llama with SmolLM2's vocabulary: only the inputs are
 timed, and they do not depend on the model's size. At every step, on the same runner state, it times
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from minillm.benchmarks.throughput import make_workload  # noqa: E402
+from minillm.course.benchmarks.throughput import make_workload  # noqa: E402
 from minillm.config import LlamaConfig  # noqa: E402
 from minillm.engine.arg_utils import EngineArgs  # noqa: E402
 from minillm.engine.llm_engine import LLMEngine  # noqa: E402

@@ -7,16 +7,16 @@ Run from the repository root::
                                                      # (peers alike), else fp32; it prints which and why
     python bench/throughput.py --dtype float32       # the lessons' dtype, whatever the CPU
     python bench/throughput.py --peers minillm,roofline --num-requests 8
-    LLAMA_CPP_BIN=.../build/bin python bench/throughput.py   # adds llama.cpp (minillm/benchmarks/llama_cpp.py)
+    LLAMA_CPP_BIN=.../build/bin python bench/throughput.py   # adds llama.cpp (minillm/course/benchmarks/llama_cpp.py)
 
-Everything lives in :mod:`minillm.benchmarks.throughput` (also ``python -m minillm bench``).
+Everything lives in :mod:`minillm.course.benchmarks.throughput` (also ``python -m minillm bench``).
 """
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from minillm.benchmarks.throughput import main  # noqa: E402
+from minillm.course.benchmarks.throughput import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,13 @@ The engine's spine, in the order a request meets it (each module names its vLLM 
     executor/                                   runs a step on the worker(s)
     worker/model_runner.py, worker/input_batch.py the persistent batch -> one flat batch -> model -> sampler
     model/, attention/, sample/                 the Llama model, paged attention, sampling
+
+Beside the spine: ``loaders/`` (GGUF and Hugging Face checkpoints), ``distributed/`` (context and tensor parallelism,
+KV connectors: chapters 7 and 9), ``spec_decode/`` (n-gram drafts). Layers only point down: the core and the worker
+never import the engine, which hands its replaceable parts down as plain functions (``engine/parts.py``).
+
+``course/`` is not the engine: the notebooks' widgets, the exercise checks, the fake runners of chapter 4, the
+analysis tools and the benchmarks. Nothing outside it imports it (but ``python -m minillm bench``).
 """
 from minillm.config import LlamaConfig, SchedulerConfig
 from minillm.core import KVCacheManager

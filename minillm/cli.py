@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
     chat.set_defaults(func=cmd_chat)
 
-    from minillm.benchmarks.throughput import add_cli_args
+    from minillm.course.benchmarks.throughput import add_cli_args
 
     bench = sub.add_parser("bench", help="offline throughput: minillm vs transformers vs the roofline")
     add_cli_args(bench)
@@ -153,7 +153,7 @@ def cmd_chat(args: argparse.Namespace, stdin: Any = None, stdout: Any = None) ->
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from minillm.benchmarks.throughput import main as bench_main
+    from minillm.course.benchmarks.throughput import main as bench_main
 
     bench_main(args=args)
     return 0

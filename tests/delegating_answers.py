@@ -2,7 +2,7 @@
 
 Each is the body a learner could hand in without building anything: it calls what the package already has (a
 function under the name the notebook imported, a module attribute, ``super()``, or the package's object itself).
-The check cells, the capstone and nbgrader must all fail these (``minillm/exercises/tripwire.py``): the tests that
+The check cells, the capstone and nbgrader must all fail these (``minillm/course/exercises/tripwire.py``): the tests that
 use them are ``tests/test_exercise_delegation.py``, ``tests/test_capstone.py`` and ``tests/test_nbgrader.py``.
 
 ``answer_cell(number)`` gives the whole cell: the solution cell's comment lines (its ``# Exercise N.M:`` title and
@@ -202,7 +202,7 @@ def ring_attention_step(q, q_pos, k, v, k_pos, out, lse):
     return merge_attn_states(out, lse, out_b, lse_b)
 ''',
     "8.1": '''
-from minillm.exercises.capstone import run_requests
+from minillm.course.exercises.capstone import run_requests
 
 
 def run_engine(engine, prompts, params):
@@ -254,10 +254,10 @@ class PlaceholderScheduler(AsyncScheduler):
 }
 
 
-# Open challenge -> an answer that hands the work to the challenge's reference (minillm/exercises/challenges/).
+# Open challenge -> an answer that hands the work to the challenge's reference (minillm/course/exercises/challenges/).
 CHALLENGE_DELEGATING: dict[str, str] = {
     "C10": '''
-from minillm.exercises.challenges.ch10 import request_regions, swap_plan
+from minillm.course.exercises.challenges.ch10 import request_regions, swap_plan
 
 
 def reorder_batch_to_split_decodes_and_prefills(input_batch, scheduler_output, decode_threshold=1):

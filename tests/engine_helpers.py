@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minillm.config import LlamaConfig
-from minillm.exercises.ch10.tiny import TINY_CONFIG, init_large_gaps
+from minillm.course.exercises.ch10.tiny import TINY_CONFIG, init_large_gaps
 from minillm.model.llama import LlamaForCausalLM
 
 # Two greedy runs may pick different tokens only where the two best logits are closer than this: fp32 rounding of

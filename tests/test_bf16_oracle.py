@@ -4,8 +4,8 @@ engine's greedy tokens in bf16 against transformers' own model in bf16.
 The fp32 oracle (``tests/test_model_oracle.py``, ``tests/test_engine_vs_transformers.py``) checks logits to 1e-3 and
 tokens up to ties closer than 1e-4. bf16 keeps 8 significant bits, so two implementations that only order their
 operations differently disagree by about one bf16 step on the logits (0.125 for a logit in [16, 32)): the
-check here is the benchmark's :func:`~minillm.benchmarks.throughput.compare_greedy`, which accepts a different
-token only where transformers' two best logits are within :data:`~minillm.benchmarks.throughput.TIE_GAPS`
+check here is the benchmark's :func:`~minillm.course.benchmarks.throughput.compare_greedy`, which accepts a different
+token only where transformers' two best logits are within :data:`~minillm.course.benchmarks.throughput.TIE_GAPS`
 ``[bfloat16]`` (0.5, measured) and ours is one of them. It runs on any CPU: where bf16 is emulated it is slower, not wrong.
 
 Both bf16 models are the session's fp32 models cast to bf16 with their RoPE frequencies kept in fp32, which is what
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import minillm
-from minillm.benchmarks.throughput import TIE_GAPS, Workload, compare_greedy, run_minillm
+from minillm.course.benchmarks.throughput import TIE_GAPS, Workload, compare_greedy, run_minillm
 from minillm.engine.arg_utils import EngineArgs, parse_dtype, resolve_dtype
 from minillm.platforms.cpu import cpu_flags, native_bf16, preferred_cpu_dtype
 from tests.dtype_helpers import bf16_copy

@@ -238,7 +238,7 @@ def _widget_in_lab(page, lab, notebook: str, needle: str, var: str, tmp_path: Pa
     nb = nbformat.read(ROOT / "notebooks" / notebook, as_version=4)
     src = next(c.source for c in nb.cells if c.cell_type == "code" and needle in c.source)
     ns: dict = {}
-    exec("from minillm.config import SchedulerConfig\nfrom minillm.widgets import *\n"  # noqa: S102
+    exec("from minillm.config import SchedulerConfig\nfrom minillm.course.widgets import *\n"  # noqa: S102
          + src.replace(needle, ""), ns)
     twin = ns[var]
     twin_ui = twin.ui()

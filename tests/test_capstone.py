@@ -13,8 +13,8 @@ import torch
 
 from minillm.core.sched.scheduler import Scheduler
 from minillm.engine.parts import PART_NAMES, EngineParts
-from minillm.exercises.capstone import PartMismatch, check_capstone, run_requests
-from minillm.exercises.parts import PART_SOURCES, load_learner_parts
+from minillm.course.exercises.capstone import PartMismatch, check_capstone, run_requests
+from minillm.course.exercises.parts import PART_SOURCES, load_learner_parts
 from tests.delegating_answers import NOTEBOOK, answer_cell
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,7 +211,7 @@ def my_apply_bad_words(logits, bad_words_token_ids, past_tokens_ids):
     return logits
 """
 _DELEGATING = _BAD_WORDS_TITLE + """
-from minillm.exercises.challenges.ch08 import apply_bad_words as my_apply_bad_words
+from minillm.course.exercises.challenges.ch08 import apply_bad_words as my_apply_bad_words
 """
 
 

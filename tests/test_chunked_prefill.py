@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.analysis import dependency, flops
+from minillm.course.analysis import dependency, flops
 from minillm.attention.chunked import (RecordingKVCache, chunk_bounds, chunked_prefill, even_chunk_sizes,
                                        fixed_chunk_sizes, independent_chunks_prefill, last_chunk_attention_prefill,
                                        per_chunk_layer_errors, prefill_chunk, relative_error)

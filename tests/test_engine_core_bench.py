@@ -13,10 +13,10 @@ import json
 import psutil
 import pytest
 
-from minillm.benchmarks.engine_core import (ENGINES, PlanMirror, analyze_timeline, format_report, make_engine,
+from minillm.course.benchmarks.engine_core import (ENGINES, PlanMirror, analyze_timeline, format_report, make_engine,
                                             measure_ipc, plot_timeline, run_benchmark, sampling_params, split_timeline,
                                             step_kind, summarize_ipc, to_json)
-from minillm.benchmarks.throughput import make_workload
+from minillm.course.benchmarks.throughput import make_workload
 from minillm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine

@@ -1,5 +1,5 @@
-"""The engine diagram every lesson opens with (minillm/widgets/engine_map.py) and the overlap check for figures
-(minillm/widgets/figure_check.py)."""
+"""The engine diagram every lesson opens with (minillm/course/widgets/engine_map.py) and the overlap check for figures
+(minillm/course/widgets/figure_check.py)."""
 import io
 
 import numpy as np
@@ -9,9 +9,9 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from PIL import Image
 
-from minillm.widgets import engine_map
-from minillm.widgets.engine_map import BOXES, CHAPTERS, DPI, FIGSIZE, draw_engine_map
-from minillm.widgets.figure_check import overlapping_texts
+from minillm.course.widgets import engine_map
+from minillm.course.widgets.engine_map import BOXES, CHAPTERS, DPI, FIGSIZE, draw_engine_map
+from minillm.course.widgets.figure_check import overlapping_texts
 
 KEYS = list(CHAPTERS)
 

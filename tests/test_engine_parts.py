@@ -12,7 +12,7 @@ from minillm.core.sched.utils import check_stop
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.parts import PART_NAMES, EngineParts
-from minillm.exercises.capstone import run_requests
+from minillm.course.exercises.capstone import run_requests
 from minillm.sample.ops.topk_topp import apply_top_k_top_p
 from minillm.sampling_params import SamplingParams
 from minillm.worker.model_runner import prepare_inputs

@@ -3,7 +3,7 @@
 - For every exercise of ``solutions/``, the answer in ``tests/delegating_answers.py`` (it calls the package's own
   implementation of the part: by name, through a module, through ``super()``, or by being the package's object)
   fails its check cell with "asks you to write this yourself".
-- The tripwire itself (``minillm/exercises/tripwire.py``): every target resolves; every name it replaces is put
+- The tripwire itself (``minillm/course/exercises/tripwire.py``): every target resolves; every name it replaces is put
   back when the learner's call returns or raises; the reference is never tripped outside the learner's call; a class
   that inherits the method its exercise asks for is refused.
 """
@@ -16,7 +16,7 @@ import nbformat
 import pytest
 import torch
 
-from minillm.exercises.tripwire import BUILDS, DelegationError, _resolve, building, guard, targets_of
+from minillm.course.exercises.tripwire import BUILDS, DelegationError, _resolve, building, guard, targets_of
 from tests.delegating_answers import DELEGATING, NOTEBOOK, answer_cell
 from tests.exercise_helpers import run_check_with_answer
 
@@ -60,7 +60,7 @@ def test_every_exercise_has_tripwire_targets_and_a_delegating_answer():
     assert set(DELEGATING) == exercises
     for number in challenges:  # a challenge's module lists its targets, the reference first
         targets = targets_of(f"C{number}")
-        assert targets and targets[0].startswith(f"minillm.exercises.challenges.ch{int(number):02d}:"), targets
+        assert targets and targets[0].startswith(f"minillm.course.exercises.challenges.ch{int(number):02d}:"), targets
 
 
 @pytest.mark.parametrize("target", sorted({t for ts in BUILDS.values() for t in ts}))

@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minillm.exercises.build import BEGIN, build_all, build_notebook, strip_solutions
+from minillm.course.exercises.build import BEGIN, build_all, build_notebook, strip_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -14,7 +14,7 @@ SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 
 def test_exercises_equal_a_fresh_build(tmp_path):
     stale = build_all(ROOT / "solutions", ROOT / "exercises", check=True)
-    assert not stale, f"exercises/ is out of date; run `python -m minillm.exercises build`: {stale}"
+    assert not stale, f"exercises/ is out of date; run `python -m minillm.course.exercises build`: {stale}"
     assert sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb")) == [p.name for p in SOLUTIONS]
 
 
@@ -69,7 +69,7 @@ def test_exercise_checks_fail_until_solved(solution):
 def test_check_cases_names_the_differing_case_even_with_nan():
     import torch
 
-    from minillm.exercises import check_cases
+    from minillm.course.exercises import check_cases
 
     def ref(x):
         return x + 1
@@ -86,7 +86,7 @@ def test_check_cases_reports_the_real_difference_next_to_matching_infinities():
     infinite difference must read as inf, not as the largest finite float."""
     import torch
 
-    from minillm.exercises import check_cases
+    from minillm.course.exercises import check_cases
 
     def ref(x):
         return x

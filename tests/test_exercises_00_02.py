@@ -3,7 +3,7 @@
 Each test runs a solution notebook up to one check cell with a deliberately wrong answer swapped in
 (``tests/exercise_helpers.run_check``) and asserts that the check fails with an ``AssertionError`` whose message
 names the mistake, not only where the values differ. An answer that calls the package's own implementation of the
-part fails every check with "asks you to write this yourself" (``minillm/exercises/tripwire.py``). Chapter 2's open
+part fails every check with "asks you to write this yourself" (``minillm/course/exercises/tripwire.py``). Chapter 2's open
 challenge (sliding-window freeing) is checked the same way. A last group checks the course-wide exercise format of
 these three notebooks (a ``### Exercise N.M ★`` heading, two folded hints, the exercise, its check; the challenge's
 heading, hints, cell and check) and the names and signatures chapter 8 loads from a learner's notebook.
@@ -21,7 +21,7 @@ import torch
 
 from minillm.attention.reference import causal_mask, reference_attention
 from minillm.core import hash_block_tokens
-from minillm.exercises.build import BEGIN
+from minillm.course.exercises.build import BEGIN
 from tests.exercise_helpers import (CHALLENGE_HEADING, EXERCISE_HEADING, HINT_FORMAT, _plain_python, mutated,
                                     run_challenge, run_check)
 
@@ -367,7 +367,7 @@ def test_every_exercise_has_a_difficulty_heading_and_a_hint(name):
             assert "vllm/" in heading.source, f"{name}: challenge {number} must cite vLLM's file:function"
             check = cells[i + 1].source
             assert check.startswith(f"# Check Challenge {number}")
-            assert f"from minillm.exercises.challenges.ch{int(number):02d} import" in check
+            assert f"from minillm.course.exercises.challenges.ch{int(number):02d} import" in check
             assert f'guard("C{number}"' in check
             challenges.append((i, number))
             continue
@@ -517,7 +517,7 @@ def my_free(pool, req_blocks):
     pool.free_blocks(reversed(req_blocks))
 """),
     "C2": ("free_out_of_window", """
-from minillm.exercises.challenges.ch02 import free_out_of_window as _theirs
+from minillm.course.exercises.challenges.ch02 import free_out_of_window as _theirs
 
 
 def free_out_of_window(pool, req_blocks, num_computed_tokens, sliding_window, block_size):

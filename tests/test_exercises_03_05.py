@@ -4,7 +4,7 @@ Each test runs a solution notebook up to one check cell with a deliberately wron
 (``tests/exercise_helpers.run_check``) and asserts that the check fails with an ``AssertionError`` whose message
 names the mistake. The wrong answers are the solution's own code with one thing changed (the usual slip), so they
 stay in step with the solutions. An answer that calls the package's own implementation of its part fails with
-"asks you to write this yourself" (``minillm/exercises/tripwire.py``). Challenges 3 (sliding-window attention in
+"asks you to write this yourself" (``minillm/course/exercises/tripwire.py``). Challenges 3 (sliding-window attention in
 the paged kernel) and 5 (``allowed_token_ids`` and ``logit_bias``) accept their solutions and name the usual slips.
 A last group checks the course-wide exercise format of chapters 03-05 (a ``### Exercise N.M ★`` heading, a hint in
 two folded steps, the exercise, its check; one open challenge after the last exercise) and the names and signatures
@@ -22,7 +22,7 @@ import nbformat
 import pytest
 import torch
 
-from minillm.exercises.build import BEGIN
+from minillm.course.exercises.build import BEGIN
 from tests.exercise_helpers import (CHALLENGE_HEADING, EXERCISE_HEADING, HINT_FORMAT, caught, exercise_source, mutated,
                                     run_challenge, run_check,
                                     run_check_with_answer)
@@ -197,7 +197,7 @@ def test_03_the_given_paged_kernel_does_not_print_3_2s_loop():
 # -- challenge 3 --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_challenge_3_accepts_the_solution_and_fails_a_delegating_answer():
-    from minillm.exercises.challenges import ch03
+    from minillm.course.exercises.challenges import ch03
 
     assert run_challenge(NB03, 3) is None
     delegate = (lambda q, key_cache, value_cache, block_ids, seq_len, window, block_m=16, tile_size=16:
@@ -501,11 +501,11 @@ def test_challenge_5_statement_does_not_point_at_the_reference():
         assert not re.search(r"^\s*\d+\. ", statement, re.M), "the ★★★ statement lists numbered steps"
     check = next(c.source for c in nbformat.read(ROOT / "solutions" / NB05, as_version=4).cells
                  if c.source.startswith("# Check Challenge 5"))
-    assert "from minillm.exercises.challenges.ch05 import" in check
+    assert "from minillm.course.exercises.challenges.ch05 import" in check
 
 
 def test_challenge_5_accepts_the_solution_and_fails_a_delegating_answer():
-    from minillm.exercises.challenges import ch05
+    from minillm.course.exercises.challenges import ch05
 
     assert run_challenge(NB05, 5) is None
     assert "Challenge 5 asks you to write this yourself" in challenge_message(
@@ -563,7 +563,7 @@ def test_every_exercise_has_a_star_heading_a_two_step_hint_and_a_check(solution)
                 assert "vllm/" in heading.source, f"{solution}: challenge {number} must cite vLLM's file:function"
                 check = nb.cells[i + 1].source
                 assert check.startswith(f"# Check Challenge {number}")
-                assert f"from minillm.exercises.challenges.ch{int(number):02d} import" in check
+                assert f"from minillm.course.exercises.challenges.ch{int(number):02d} import" in check
                 assert f'guard("C{number}"' in check
                 challenges.append((i, number))
                 continue
@@ -607,7 +607,7 @@ def test_exercise_cells_only_define(solution):
 
 def test_chapter_8_finds_the_parts_of_04_and_05():
     from minillm.core.sched.scheduler import Scheduler
-    from minillm.exercises.parts import load_learner_parts
+    from minillm.course.exercises.parts import load_learner_parts
 
     solved = {s.source.part: s for s in load_learner_parts(ROOT / "solutions").status}
     for part in ("scheduler_cls", "top_k_top_p", "check_stop"):

@@ -252,7 +252,7 @@ def test_challenge_4_delegating_answers_fail():
     calls_super = _defined("class WatermarkScheduler(Scheduler):\n    watermark = 0.0\n\n"
                            "    def _schedule_waiting(self, step):\n        return super()._schedule_waiting(step)\n",
                            "WatermarkScheduler")
-    calls_reference = _defined("from minillm.exercises.challenges.ch04 import WatermarkScheduler as _W\n\n\n"
+    calls_reference = _defined("from minillm.course.exercises.challenges.ch04 import WatermarkScheduler as _W\n\n\n"
                                "class WatermarkScheduler(Scheduler):\n    watermark = 0.0\n\n"
                                "    def _schedule_waiting(self, step):\n        return _W._schedule_waiting(self, step)\n",
                                "WatermarkScheduler")

@@ -209,8 +209,9 @@ def test_check_61_fails_an_answer_that_calls_the_runners_method(shared_model):
     def delegating(scheduler_output, requests, block_size, device="cpu"):
         from types import SimpleNamespace
 
-        from minillm.engine.parts import EngineParts
-        runner = SimpleNamespace(parts=EngineParts(), requests=requests, block_size=block_size, device=device)
+        from minillm.worker.model_runner import prepare_inputs
+        runner = SimpleNamespace(prepare_inputs_fn=prepare_inputs, requests=requests, block_size=block_size,
+                                 device=device)
         return ModelRunner._prepare_inputs(runner, scheduler_output)   # the runner's own method, on a stand-in
 
     _assert_caught(run_check(SOLUTION, "6.1", my_prepare_inputs=delegating), "asks you to write this yourself")
@@ -337,7 +338,7 @@ def test_challenge_6_check_passes_the_solution_and_a_learners_loop(shared_model)
 @pytest.mark.slow
 def test_challenge_6_check_fails_a_delegating_answer(shared_model):
     def delegating(engine, request_id, prompt_ids, params, n):
-        from minillm.exercises.challenges.ch06 import parallel_sample
+        from minillm.course.exercises.challenges.ch06 import parallel_sample
         return parallel_sample(engine, request_id, prompt_ids, params, n)
 
     _assert_caught(run_challenge(my_parallel_sample=delegating), "Challenge 6 asks you to write this yourself",

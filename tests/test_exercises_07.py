@@ -363,7 +363,7 @@ def test_challenge_7_the_test_split_is_right():
 
 
 def test_challenge_7_delegating_answer_fails():
-    from minillm.exercises.challenges import ch07
+    from minillm.course.exercises.challenges import ch07
 
     _assert_caught(run_check(SOLUTION, "7", striped_split=lambda t, r, s=1: ch07.striped_split(t, r, s)),
                    "Challenge 7 asks you to write this yourself", "striped_split")

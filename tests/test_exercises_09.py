@@ -326,7 +326,7 @@ def test_challenge_9_solution_passes():
 
 def test_challenge_9_delegating_answer_fails():
     e = _challenge(("class MyDeltaConnector(SharedStorageConnector):",
-                    "from minillm.exercises.challenges import ch09\n\n\nclass MyDeltaConnector(SharedStorageConnector):"),
+                    "from minillm.course.exercises.challenges import ch09\n\n\nclass MyDeltaConnector(SharedStorageConnector):"),
                    ("        ### BEGIN SOLUTION\n        final = self._dir(save.key)",
                     "        return ch09.DeltaStorageConnector._store(self, save, kv)\n        ### BEGIN SOLUTION\n"
                     "        final = self._dir(save.key)"))

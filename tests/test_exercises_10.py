@@ -7,7 +7,7 @@ mistake. The wrong answers of 10.1 are the solution's cell with one edit (tests/
 in step with it. The notebook runs on the tiny model: a run up to a check takes about a second. The engine core's
 acceptance of a learner's scheduler under async scheduling is tested in tests/test_engine_core.py.
 
-Challenge 10 (reorder the persistent batch, minillm/exercises/challenges/ch10.py): its check runs after the set-up cell
+Challenge 10 (reorder the persistent batch, minillm/course/exercises/challenges/ch10.py): its check runs after the set-up cell
 alone; its wrong answers are the solution's cell with one edit or short functions written here (ids moved without
 their data, a rebuilt or permuted batch, a selection sort that swaps too often). Its reference is tested on random
 batches with hypothesis: vLLM's four rules, region order, data moved with each request, and as many swaps as vLLM's
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from minillm.core.sched.async_scheduler import AsyncScheduler
 from minillm.core.sched.scheduler import Scheduler
-from minillm.exercises.build import BEGIN
+from minillm.course.exercises.build import BEGIN
 from minillm.worker.input_batch import InputBatch
 from minillm.worker.model_runner import CachedRequestState
 from tests.exercise_helpers import (CHALLENGE_HEADING, EXERCISE_HEADING, HINT_FORMAT, ROOT, exercise_source, mutated,
@@ -136,7 +136,7 @@ def test_10_1_delegating_to_the_runner_fails():
 
 def test_10_1_the_runs_go_through_every_case():
     """The counts the check prints: each case a mistake above needs is there."""
-    from minillm.exercises.ch10 import check_update_states
+    from minillm.course.exercises.ch10 import check_update_states
 
     source = exercise_source(SOLUTION, "10.1")
     ns: dict = {}
@@ -244,7 +244,7 @@ def test_10_2_solution_passes():
 
 
 def test_10_2_the_reference_written_here_passes_and_the_scenarios_cover_every_case():
-    from minillm.exercises.ch10 import check_placeholder_scheduler
+    from minillm.course.exercises.ch10 import check_placeholder_scheduler
 
     counts = check_placeholder_scheduler(Reference, verbose=False)
     for key in ("placeholders", "chunks that sample nothing", "last step in flight", "stops with a step in flight",
@@ -489,7 +489,7 @@ def test_challenge_10_the_stub_fails_with_not_implemented():
 
 def test_challenge_10_the_runs_go_through_every_case():
     """The counts the check returns: each case a mistake above needs is there."""
-    from minillm.exercises.challenges.ch10 import check_reorder_batch
+    from minillm.course.exercises.challenges.ch10 import check_reorder_batch
 
     ns: dict = {}
     exec(compile(HEADER + exercise_source(SOLUTION, "C10"), "<C10>", "exec"), ns)  # noqa: S102
@@ -542,7 +542,7 @@ def _cycles_of_the_stable_assignment(regions):
 @settings(max_examples=200, deadline=None)
 @given(random_batches(), st.integers(1, 4))
 def test_the_reference_sorts_by_vllms_rules_with_its_loops_swaps(case, threshold):
-    from minillm.exercises.challenges.ch10 import (LONG_EXTEND, PREFILL, SHORT_EXTEND,
+    from minillm.course.exercises.challenges.ch10 import (LONG_EXTEND, PREFILL, SHORT_EXTEND,
                                                    reorder_batch_to_split_decodes_and_prefills, request_regions)
 
     batch, so = case
@@ -574,7 +574,7 @@ def test_the_reference_sorts_by_vllms_rules_with_its_loops_swaps(case, threshold
 def test_the_steps_inputs_ignore_the_slot_order_and_catch_a_changed_token():
     """ModelRunner._prepare_inputs gathers in the plan's order: swapping slots leaves the inputs as they were, and the
     check's comparison of them names what changed."""
-    from minillm.exercises.challenges.ch10 import _inputs_problem, _step_inputs
+    from minillm.course.exercises.challenges.ch10 import _inputs_problem, _step_inputs
 
     batch = InputBatch(4, 16, 4)
     batch.add_request(CachedRequestState("a", 3, None, [5, 6, 7, 8], [3, 4], 3))
@@ -589,7 +589,7 @@ def test_the_steps_inputs_ignore_the_slot_order_and_catch_a_changed_token():
 
 
 def test_the_reference_refuses_bad_input():
-    from minillm.exercises.challenges.ch10 import reorder_batch_to_split_decodes_and_prefills as reorder
+    from minillm.course.exercises.challenges.ch10 import reorder_batch_to_split_decodes_and_prefills as reorder
 
     batch = InputBatch(4, 16, 4)
     for i in range(3):
@@ -633,7 +633,7 @@ def test_the_exercises_have_a_heading_a_two_step_hint_and_a_check():
         assert HINT_FORMAT.match(hint.source.strip()), f"exercise {number}: the hint is not two <details> steps"
         kind = "Challenge 10" if number == "C10" else f"Exercise {number}"
         assert cells[i + 1].source.startswith(f"# Check {kind}")
-        # The check functions run the answer under the tripwire themselves (minillm/exercises/ch10, challenges/ch10).
+        # The check functions run the answer under the tripwire themselves (minillm/course/exercises/ch10, challenges/ch10).
         assert {"10.1": "check_update_states(update_states, ", "10.2": "check_placeholder_scheduler("
                 "PlaceholderScheduler, ", "C10": "check_reorder_batch(reorder_batch_to_split_decodes_and_prefills, "
                 }[number] in cells[i + 1].source

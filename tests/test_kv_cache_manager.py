@@ -304,7 +304,7 @@ def test_block_table_widget_headless():
     import matplotlib
 
     matplotlib.use("Agg")
-    from minillm.widgets import BlockTableWidget
+    from minillm.course.widgets import BlockTableWidget
 
     w = BlockTableWidget(num_blocks=5, block_size=4, prompts={"A": list(range(10)), "A'": list(range(8)) + [99]})
     assert w.add_request("A") == "A0: 10 prompt tokens, 0 from the prefix cache"

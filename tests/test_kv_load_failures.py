@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from minillm.config import SchedulerConfig
-from minillm.core.sched.fake_runner import FakeModelRunner
+from minillm.course.fake_runner import FakeModelRunner
 from minillm.core.sched.output import EngineCoreOutput, KVConnectorOutput, SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
 from minillm.request import Request, RequestStatus

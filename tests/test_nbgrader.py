@@ -25,8 +25,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minillm.exercises.__main__ import main
-from minillm.exercises.nbgrader import (SAMPLE_STUDENTS, autograde_post_convert_hook, autograde_pre_convert_hook,
+from minillm.course.exercises.__main__ import main
+from minillm.course.exercises.nbgrader import (SAMPLE_STUDENTS, autograde_post_convert_hook, autograde_pre_convert_hook,
                                         build_course, cell_scores, gradebook_scores, grade_samples, half_count,
                                         nbgrader, notebook_exercises, siblings_needed, source_notebook,
                                         stated_points)
@@ -238,7 +238,7 @@ DELEGATING_CHAPTERS = CHAPTERS if CHOSEN else ["02_paged_kv_cache"]
 def _submit_delegating(course: Path, assignment: str) -> None:
     """A student who answers every exercise by calling the package's own implementation of its part
     (tests/delegating_answers.py); for the capstone, the chapter notebooks beside it are answered the same way."""
-    from minillm.exercises.nbgrader import learner_notebook
+    from minillm.course.exercises.nbgrader import learner_notebook
     from tests.delegating_answers import answer_cell
 
     def delegate(nb):
@@ -326,7 +326,7 @@ def test_feedback_names_the_first_exercise_left_unsolved(course, graded):
 
 @pytest.mark.slow
 def test_the_demo_grades_a_check_cell_pass_or_fail_whatever_it_displays(tmp_path, capsys):
-    """``python -m minillm.exercises nbgrader DIR --demo`` (what ``make classroom-demo`` runs) on a one-exercise
+    """``python -m minillm.course.exercises nbgrader DIR --demo`` (what ``make classroom-demo`` runs) on a one-exercise
     notebook whose check displays 7 and writes a warning to stderr. nbgrader's own rule would read the 7 as partial
     credit (more than the cell's 2 points: an error) and the warning as a failure; the course's rule gives all the
     points to a check that ran through."""

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minillm.config import SchedulerConfig
-from minillm.core.sched.fake_runner import random_workload, simulate
+from minillm.course.fake_runner import random_workload, simulate
 from minillm.core.sched.scheduler import Scheduler
 from minillm.request import RequestStatus
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from minillm.config import SchedulerConfig
-from minillm.core.sched.fake_runner import FakeModelRunner, WorkloadRequest, simulate
+from minillm.course.fake_runner import FakeModelRunner, WorkloadRequest, simulate
 from minillm.core.sched.output import ModelRunnerOutput
 from minillm.core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
 from minillm.core.sched.scheduler import Scheduler
@@ -420,7 +420,7 @@ def test_scheduler_refuses_a_kv_cache_smaller_than_one_request_and_bad_requests(
 
 # -- the notebook's trace and stepper ---------------------------------------------------------------------------------
 def test_trace_step_explains_each_request_and_the_stepper_runs_headless():
-    from minillm.widgets.scheduler_stepper import SchedulerStepper, format_trace
+    from minillm.course.widgets.scheduler_stepper import SchedulerStepper, format_trace
 
     config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128,
                              long_prefill_token_threshold=8)
@@ -453,7 +453,7 @@ def test_simple_runner_on_the_real_model_matches_plain_greedy_generation(model, 
     greedy tokens equal minillm.generate's, one prompt at a time. (Chunking changes the float summation order by
     ~1e-6; these prompts' top-2 logit gaps are far larger, so the argmax cannot flip.)"""
     import minillm
-    from minillm.core.sched.simple_runner import run_timed
+    from minillm.course.simple_runner import run_timed
 
     prompts = [minillm.chat_prompt_ids(tokenizer, "What is the capital of France?"), [1, 504, 3458, 282]]
     config = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=128)
@@ -470,7 +470,7 @@ def test_simple_runner_on_the_real_model_matches_plain_greedy_generation(model, 
 def test_compare_schedulers_catches_a_forgotten_preemption_count():
     """The check of exercise 4.3 compares each request's state too, not only the SchedulerOutputs: a preemption
     that forgets ``num_preemptions += 1`` schedules exactly the same tokens, yet must be caught."""
-    from minillm.core.sched.fake_runner import compare_schedulers
+    from minillm.course.fake_runner import compare_schedulers
 
     class ForgetsToCount(Scheduler):
         def _preempt_request(self, request):

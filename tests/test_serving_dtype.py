@@ -120,7 +120,7 @@ def test_bench_runs_at_auto_and_prints_which_and_why(cpu, smollm, monkeypatch, c
 def test_bench_and_serve_parse_to_auto():
     import inspect
 
-    from minillm.benchmarks.throughput import run_benchmark
+    from minillm.course.benchmarks.throughput import run_benchmark
 
     parser = cli.build_parser()
     assert parser.parse_args(["bench"]).dtype == "auto" and parser.parse_args(["serve"]).dtype == "auto"

@@ -1,8 +1,8 @@
 """elide_source: a listing of the package's code with the lines of an exercise's answer left out (chapter 3)."""
 import pytest
 
-from minillm.widgets.source_elide import ElidedListing, elide_source
-from minillm.widgets.source_view import show_source
+from minillm.course.widgets.source_elide import ElidedListing, elide_source
+from minillm.course.widgets.source_view import show_source
 
 
 def _sample(x: int) -> int:

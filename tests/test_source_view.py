@@ -4,7 +4,7 @@ import inspect
 import pytest
 
 from minillm.core.sched.scheduler import Scheduler
-from minillm.widgets.source_view import SourceListing, show_source
+from minillm.course.widgets.source_view import SourceListing, show_source
 from minillm.worker.model_runner import BatchInputs, prepare_inputs
 
 

@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from minillm.benchmarks.throughput import (OUTPUT_LENS, format_report, make_workload, measure_matmul_flops,
+from minillm.course.benchmarks.throughput import (OUTPUT_LENS, format_report, make_workload, measure_matmul_flops,
                                            run_benchmark, workload_flops)
 from minillm.config import LlamaConfig
 from tests.engine_helpers import single_thread  # noqa: F401
@@ -85,7 +85,7 @@ def test_matmul_roofline_is_measured_in_the_dtype_asked_for():
 
 
 def test_cli_dtype_choices():
-    from minillm.benchmarks.throughput import add_cli_args
+    from minillm.course.benchmarks.throughput import add_cli_args
 
     parser = add_cli_args(argparse.ArgumentParser())
     assert parser.parse_args([]).dtype == "auto"  # bf16 where the CPU has it (tests/test_serving_dtype.py)
@@ -106,8 +106,8 @@ def test_llama_cpp_peer_is_skipped_without_a_build(smollm, tmp_path, monkeypatch
 
 @pytest.mark.usefixtures("single_thread")
 def test_llama_cpp_peer_at_bf16_when_built(smollm, hf_oracle):
-    """Only where a llama.cpp build is found (see minillm/benchmarks/llama_cpp.py for how to make one)."""
-    from minillm.benchmarks.llama_cpp import find_llama_cpp
+    """Only where a llama.cpp build is found (see minillm/course/benchmarks/llama_cpp.py for how to make one)."""
+    from minillm.course.benchmarks.llama_cpp import find_llama_cpp
     from tests.dtype_helpers import bf16_copy
 
     if find_llama_cpp() is None:

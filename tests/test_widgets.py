@@ -1,6 +1,6 @@
 """The widgets' click path, without a browser: every click redraws the figure as a PNG in an ``ipywidgets.Image`` and
 never touches pyplot, so nothing is left for matplotlib-inline's ``flush_figures`` to draw on another thread (the
-race that gave blank or garbled figures in JupyterLab 4.6; see minillm/widgets/figure_view.py). The real-browser
+race that gave blank or garbled figures in JupyterLab 4.6; see minillm/course/widgets/figure_view.py). The real-browser
 check of the same widgets is tests/test_browser.py."""
 import io
 
@@ -14,8 +14,8 @@ import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from minillm.config import SchedulerConfig  # noqa: E402
-from minillm.widgets import BlockTableWidget, SchedulerStepper  # noqa: E402
-from minillm.widgets.figure_view import FigureView, render_png  # noqa: E402
+from minillm.course.widgets import BlockTableWidget, SchedulerStepper  # noqa: E402
+from minillm.course.widgets.figure_view import FigureView, render_png  # noqa: E402
 
 
 def _find(root, kind: str, description: str | None = None) -> list:

@@ -21,15 +21,12 @@ attention types, several KV cache groups, speculative lookahead slots and KV tra
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Container, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Container, Sequence
 
 from minillm.core.block_pool import BlockPool
-from minillm.core.kv_cache_utils import BlockHash, KVCacheBlock, PrefixCacheStats, hash_block_tokens
+from minillm.core.kv_cache_utils import (BlockHash, KVCacheBlock, PrefixCacheStats, hash_block_tokens,
+                                         hash_request_tokens)
 from minillm.request import Request
-
-if TYPE_CHECKING:
-    from minillm.engine.parts import EngineParts
 
 
 def cdiv(a: int, b: int) -> int:
@@ -38,7 +35,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 # -- the manager's three small jobs, as functions: what exercises 2.2, 2.4 and 2.5 ask for, and what the manager
-# calls through EngineParts (so chapter 8 can run a learner's versions) ---------------------------------------------
+# takes as arguments (so chapter 8 can hand it a learner's versions) ------------------------------------------------
 def allocate_new_blocks(pool: BlockPool, req_blocks: list[KVCacheBlock], num_computed_tokens: int,
                         num_new_tokens: int, block_size: int) -> list[KVCacheBlock] | None:
     """Grow ``req_blocks`` (in place) to cover ``num_computed_tokens + num_new_tokens`` tokens.
@@ -80,17 +77,22 @@ class KVCacheManager:
         num_blocks: physical blocks in the cache, including the reserved null block 0.
         block_size: tokens per block.
         enable_caching: reuse full blocks across requests whose prefixes match (prefix caching).
-        parts: the functions it allocates, hashes, looks up and frees with
-            (:class:`~minillm.engine.parts.EngineParts`; default: this module's own).
+        allocate_fn, block_hashes_fn, num_cached_tokens_fn, free_fn: the functions it allocates, hashes, looks
+            up and frees with (exercises 2.2-2.5's signatures; default: this module's own). The engine hands a
+            learner's down here (chapter 8); the manager never asks the engine for them.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 parts: EngineParts | None = None) -> None:
-        from minillm.engine.parts import EngineParts
-
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, *,
+                 allocate_fn: Callable[..., list[KVCacheBlock] | None] = allocate_new_blocks,
+                 block_hashes_fn: Callable[[Sequence[int], int], list[BlockHash]] = hash_request_tokens,
+                 num_cached_tokens_fn: Callable[..., int] = num_cached_prefix_tokens,
+                 free_fn: Callable[[BlockPool, Sequence[KVCacheBlock]], None] = free_request_blocks) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self.parts = parts if parts is not None else EngineParts()
+        self.allocate_fn = allocate_fn
+        self.block_hashes_fn = block_hashes_fn
+        self.num_cached_tokens_fn = num_cached_tokens_fn
+        self.free_fn = free_fn
         self._block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -134,9 +136,9 @@ class KVCacheManager:
             return hashes  # no new full block since the last call
         salt = getattr(request, "cache_salt", None)
         if salt is None:
-            # The whole chain again (parts.block_hashes has exercise 2.3's signature); this happens once per block
+            # The whole chain again (block_hashes_fn has exercise 2.3's signature); this happens once per block
             # of output, not per token. The prefix already hashed must not change.
-            chain = self.parts.block_hashes(tokens, bs)
+            chain = self.block_hashes_fn(tokens, bs)
             if list(chain[:len(hashes)]) != hashes:
                 raise RuntimeError(f"block_hashes changed the hashes of blocks already cached for request "
                                    f"{request.request_id!r}: a block's hash must depend only on its tokens and parent")
@@ -161,8 +163,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         hashes = self._update_block_hashes(request)
-        num_hit = self.parts.num_cached_tokens(hashes, request.num_tokens, self._block_size,
-                                               self.block_pool.cached_block_hash_to_block)
+        num_hit = self.num_cached_tokens_fn(hashes, request.num_tokens, self._block_size,
+                                            self.block_pool.cached_block_hash_to_block)
         blocks = [self.block_pool.get_cached_block(h) for h in hashes[:num_hit // self._block_size]]
         # No statistics here: a request waiting for room is looked up again every step. The scheduler counts it
         # once, when it is admitted (record_prefix_cache_stats).
@@ -231,8 +233,8 @@ class KVCacheManager:
             self.block_pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
             self.num_cached_block[rid] = len(new_computed_blocks)
-        new_blocks = self.parts.allocate_slots(self.block_pool, req_blocks, num_computed_tokens, num_new_tokens,
-                                               self._block_size)
+        new_blocks = self.allocate_fn(self.block_pool, req_blocks, num_computed_tokens, num_new_tokens,
+                                      self._block_size)
         if new_blocks is None:
             if new_computed_blocks:  # the check above said they fit: the allocation function is wrong
                 raise RuntimeError(f"allocate_slots refused {num_new_tokens} tokens that fit the free blocks")
@@ -260,7 +262,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
-            self.parts.free(self.block_pool, blocks)
+            self.free_fn(self.block_pool, blocks)
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's blocks in token order (empty if it has none)."""

@@ -111,8 +111,9 @@ class EngineCore:
                                  f"of AsyncScheduler, or one that overrides _update_after_schedule as exercise 10.2's "
                                  f"does); a replaced scheduler ({scheduler_cls.__name__}) needs "
                                  f"async_scheduling=False")
+        # The parts are handed down as plain functions: the core and the worker never import the engine.
         self.scheduler: Scheduler = scheduler_cls(self.scheduler_config, self.num_gpu_blocks, args.block_size,
-                                                  args.enable_prefix_caching, self.parts)
+                                                  args.enable_prefix_caching, **self.parts.scheduler_fns())
         # Chapter 9: a KV connector has two halves, one for the scheduler and one for the model runner.
         self.kv_connector_scheduler = self.kv_connector_worker = None
         if args.kv_transfer_config is not None:
@@ -127,7 +128,8 @@ class EngineCore:
         self.eos_token_id = eos_token_id if eos_token_id is not None else model.config.eos_token_id
         self.model_runner = ModelRunner(model, self.num_gpu_blocks, args.block_size, self.attention_backend,
                                         eos_token_id=self.eos_token_id,
-                                        speculative_config=args.speculative_config, parts=self.parts,
+                                        speculative_config=args.speculative_config,
+                                        **self.parts.model_runner_fns(),
                                         kv_connector=self.kv_connector_worker,
                                         max_num_reqs=self.scheduler_config.max_num_seqs,
                                         max_model_len=self.max_model_len)
@@ -451,13 +453,13 @@ def _watch_parent(death_pipe: Any) -> None:
     os._exit(0)
 
 
-def run_engine_core(engine_args: EngineArgs, model: LlamaForCausalLM | None, eos_token_id: int | None,
-                    async_scheduling: bool, input_address: str, output_address: str, death_pipe: Any,
-                    num_threads: int | None = None, model_pipe: Any = None) -> None:
+def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_scheduling: bool, input_address: str,
+                    output_address: str, death_pipe: Any, num_threads: int | None = None,
+                    model_pipe: Any = None) -> None:
     """The engine-core process's entry point: load, handshake, busy loop; tell the client if anything fails.
 
-    A model given as an object arrives on ``model_pipe`` once the process runs (not with the process's start-up
-    data: see ``MPClient.__init__``); ``model=None`` and no pipe: loaded here from ``engine_args.model``."""
+    A model the caller already loaded arrives on ``model_pipe`` once the process runs (not with the process's
+    start-up data: see ``MPClient.__init__``); without a pipe it is loaded here from ``engine_args.model``."""
     import zmq
 
     # Ctrl-C in a terminal reaches the whole process group: the client handles it (it aborts its requests), and
@@ -477,7 +479,7 @@ def run_engine_core(engine_args: EngineArgs, model: LlamaForCausalLM | None, eos
     out.setsockopt(zmq.SNDHWM, 0)
     out.connect(output_address)
     encoder = MsgpackEncoder()
-    core = None
+    core = model = None
     try:
         def build() -> EngineCoreProc:
             nonlocal model
@@ -486,7 +488,7 @@ def run_engine_core(engine_args: EngineArgs, model: LlamaForCausalLM | None, eos
             if model_pipe is not None:
                 model = model_pipe.recv()
                 model_pipe.close()
-            if model is None:
+            else:
                 import minillm
 
                 model = minillm.load_model(engine_args.model, dtype=engine_args.resolved_dtype(),

@@ -219,7 +219,7 @@ class MPClient(EngineCoreClient):
         # Here, with our read end closed, a dead child makes send() fail, and the handshake says why.
         model_reader, model_writer = ctx.Pipe(duplex=False) if model is not None else (None, None)
         proc = ctx.Process(target=run_engine_core, name="EngineCore", kwargs=dict(
-            engine_args=engine_args, model=None, eos_token_id=eos_token_id, async_scheduling=async_scheduling,
+            engine_args=engine_args, eos_token_id=eos_token_id, async_scheduling=async_scheduling,
             input_address=f"ipc://{input_path}", output_address=f"ipc://{output_path}", death_pipe=death_reader,
             num_threads=num_threads if num_threads is not None else torch.get_num_threads(),
             model_pipe=model_reader))

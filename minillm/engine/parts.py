@@ -35,6 +35,10 @@ makes the runner attend request by request through
 :func:`~minillm.attention.paged.paged_attention_torch`, calling it once per request and layer. Slow, but it is the
 learner's attention that runs.
 
+The engine hands each part down to the piece that calls it as a plain function argument (:meth:`EngineParts.
+scheduler_fns`, :meth:`EngineParts.model_runner_fns`): the scheduler, the KV cache manager and the model runner
+never import the engine.
+
 vLLM has no single object like this: its parts are chosen by configuration (``--attention-backend``,
 ``scheduler_cls`` in ``vllm/config/scheduler.py:SchedulerConfig``) and by class registries. The seam exists so a
 learner's functions reach the engine without editing it and without monkey-patching.
@@ -42,14 +46,15 @@ learner's functions reach the engine without editing it and without monkey-patch
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from typing import Any
 
-
-def _default(module: str, name: str) -> Any:
-    # Imported when an EngineParts is made, not when this module is: the modules below import this one.
-    return dataclasses.field(default_factory=lambda: getattr(importlib.import_module(module), name))
+from minillm.core.kv_cache_manager import allocate_new_blocks, free_request_blocks, num_cached_prefix_tokens
+from minillm.core.kv_cache_utils import hash_request_tokens
+from minillm.core.sched.scheduler import Scheduler
+from minillm.core.sched.utils import check_stop
+from minillm.sample.ops.topk_topp import apply_top_k_top_p
+from minillm.worker.model_runner import prepare_inputs
 
 
 # The parts in the order the engine meets them in a step: what capstone reports list, and which failure is "first".
@@ -62,14 +67,14 @@ class EngineParts:
     """The engine's replaceable parts (see the module docstring for each signature). Defaults: the package's own."""
 
     attention: Callable[..., Any] | None = None
-    allocate_slots: Callable[..., Any] = _default("minillm.core.kv_cache_manager", "allocate_new_blocks")
-    block_hashes: Callable[..., Any] = _default("minillm.core.kv_cache_utils", "hash_request_tokens")
-    num_cached_tokens: Callable[..., Any] = _default("minillm.core.kv_cache_manager", "num_cached_prefix_tokens")
-    free: Callable[..., Any] = _default("minillm.core.kv_cache_manager", "free_request_blocks")
-    scheduler_cls: type = _default("minillm.core.sched.scheduler", "Scheduler")
-    top_k_top_p: Callable[..., Any] = _default("minillm.sample.ops.topk_topp", "apply_top_k_top_p")
-    check_stop: Callable[..., Any] = _default("minillm.core.sched.utils", "check_stop")
-    prepare_inputs: Callable[..., Any] = _default("minillm.worker.model_runner", "prepare_inputs")
+    allocate_slots: Callable[..., Any] = allocate_new_blocks
+    block_hashes: Callable[..., Any] = hash_request_tokens
+    num_cached_tokens: Callable[..., Any] = num_cached_prefix_tokens
+    free: Callable[..., Any] = free_request_blocks
+    scheduler_cls: type = Scheduler
+    top_k_top_p: Callable[..., Any] = apply_top_k_top_p
+    check_stop: Callable[..., Any] = check_stop
+    prepare_inputs: Callable[..., Any] = prepare_inputs
 
     def __post_init__(self) -> None:
         for name in PART_NAMES:
@@ -77,8 +82,6 @@ class EngineParts:
             if name == "attention" and value is None:
                 continue
             if name == "scheduler_cls":
-                from minillm.core.sched.scheduler import Scheduler
-
                 if not (isinstance(value, type) and issubclass(value, Scheduler)):
                     raise ValueError(f"EngineParts.scheduler_cls must be a subclass of minillm's Scheduler, got "
                                      f"{value!r}")
@@ -89,3 +92,19 @@ class EngineParts:
         """The names of the parts that differ from the package's own, in :data:`PART_NAMES` order."""
         default = EngineParts()
         return [n for n in PART_NAMES if getattr(self, n) is not getattr(default, n)]
+
+    def kv_cache_fns(self) -> dict[str, Callable[..., Any]]:
+        """The KV cache manager's functions, as :class:`~minillm.core.kv_cache_manager.KVCacheManager` takes them."""
+        return {"allocate_fn": self.allocate_slots, "block_hashes_fn": self.block_hashes,
+                "num_cached_tokens_fn": self.num_cached_tokens, "free_fn": self.free}
+
+    def scheduler_fns(self) -> dict[str, Callable[..., Any]]:
+        """The scheduler's keyword arguments: its stop check, and the functions it passes on to its KV cache
+        manager."""
+        return {"check_stop_fn": self.check_stop, **self.kv_cache_fns()}
+
+    def model_runner_fns(self) -> dict[str, Callable[..., Any] | None]:
+        """The model runner's keyword arguments: attention (``None``: the configured backend), the sampler's
+        top-k/top-p filter and the input build."""
+        return {"attention_fn": self.attention, "top_k_top_p": self.top_k_top_p,
+                "prepare_inputs_fn": self.prepare_inputs}

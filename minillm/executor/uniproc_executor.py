@@ -21,6 +21,7 @@ from typing import Any
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.executor.abstract import Executor
+from minillm.worker.model_runner import ModelRunner
 
 
 class UniProcExecutor(Executor):
@@ -30,7 +31,7 @@ class UniProcExecutor(Executor):
         model_runner: the runner (it owns the model and the paged KV cache).
     """
 
-    def __init__(self, model_runner: Any, model_thread: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, model_runner: ModelRunner, model_thread: ThreadPoolExecutor | None = None) -> None:
         self.model_runner = model_runner
         self._thread: ThreadPoolExecutor | None = model_thread
         self._always_on_thread = model_thread is not None

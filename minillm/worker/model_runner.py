@@ -47,6 +47,7 @@ pipeline/tensor parallelism.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,10 +59,10 @@ from minillm.attention.torch_sdpa import TorchSDPAAttention
 from minillm.core.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from minillm.distributed.kv_transfer.base import KVConnectorBase_V1
 from minillm.distributed.kv_transfer.kv_transfer_utils import KVConnectorAttention
-from minillm.engine.parts import EngineParts
 from minillm.model.llama import LlamaForCausalLM
 from minillm.outputs import SamplerOutput
 from minillm.sample.metadata import SamplingMetadata, make_generator
+from minillm.sample.ops.topk_topp import apply_top_k_top_p
 from minillm.sample.rejection_sampler import RejectionSampler
 from minillm.sample.sampler import Sampler
 from minillm.sampling_params import SamplingParams, SamplingType
@@ -164,8 +165,8 @@ def prepare_inputs(scheduler_output: SchedulerOutput, requests: dict[str, Cached
         with the null block 0), ``logits_indices`` ``[num_reqs]`` (each request's last row) and
         ``discard_request_mask`` ``[num_reqs]``.
 
-    The model runner calls it through :class:`~minillm.engine.parts.EngineParts` (``parts.prepare_inputs``), which
-    is how chapter 8 runs a learner's own version in the engine.
+    The model runner calls it as its ``prepare_inputs_fn`` when it is given a learner's, which is how chapter 8 runs a
+    learner's own version in the engine.
     vLLM v0.33.0: ``vllm/v1/worker/gpu_model_runner.py:GPUModelRunner._prepare_inputs``, which fills persistent
     buffers of the ``InputBatch`` in place instead of building new arrays.
     """
@@ -232,8 +233,11 @@ class ModelRunner:
         eos_token_id: the EOS id that ``min_tokens`` blocks (default: the model config's).
         speculative_config: ``None``, or a checked n-gram config (see
             :func:`~minillm.engine.arg_utils.parse_speculative_config`): propose drafts after each step.
-        parts: the engine's replaceable parts (:class:`~minillm.engine.parts.EngineParts`); the runner calls
-            ``parts.prepare_inputs``, ``parts.top_k_top_p`` (through its sampler) and, when set, ``parts.attention``.
+        attention_fn: ``None`` for the configured backend, or exercise 1.2's ``(q, k, v, ctx_len) -> out``, run
+            request by request over its gathered paged K/V (chapter 8 hands a learner's down here).
+        top_k_top_p: the sampler's top-k/top-p filter (exercise 5.1's signature; default: the package's).
+        prepare_inputs_fn: the step's input build (exercise 6.1's signature); the package's own
+            :func:`prepare_inputs` means: gather from the persistent batch.
         kv_connector: the worker side of a KV connector (chapter 9), or ``None``.
         max_num_reqs: slots of the persistent batch, the most requests one step may schedule (the engine's
             ``max_num_seqs``); ``None``: ``num_blocks - 1`` (each scheduled request holds a block of its own), at
@@ -257,7 +261,9 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  kv_cache_dtype: torch.dtype | None = None, eos_token_id: int | None = None,
-                 speculative_config: dict | None = None, parts: EngineParts | None = None,
+                 speculative_config: dict | None = None, attention_fn: Callable[..., torch.Tensor] | None = None,
+                 top_k_top_p: Callable[..., torch.Tensor] = apply_top_k_top_p,
+                 prepare_inputs_fn: Callable[..., BatchInputs] = prepare_inputs,
                  kv_connector: KVConnectorBase_V1 | None = None, max_num_reqs: int | None = None,
                  max_model_len: int | None = None) -> None:
         if attention_backend not in BACKENDS:
@@ -270,8 +276,9 @@ class ModelRunner:
         self.eos_token_id = model.config.eos_token_id if eos_token_id is None else eos_token_id
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_cache_dtype or model.dtype,
                                             self.device)
-        self.parts = parts if parts is not None else EngineParts()
-        self.sampler = Sampler(top_k_top_p=self.parts.top_k_top_p)
+        self.attention_fn = attention_fn
+        self.prepare_inputs_fn = prepare_inputs_fn
+        self.sampler = Sampler(top_k_top_p=top_k_top_p)
         self.rejection_sampler = RejectionSampler()
         self.drafter: NgramProposer | None = None
         if speculative_config is not None:
@@ -346,12 +353,12 @@ class ModelRunner:
 
     # -- 2. the flat batch ----------------------------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
-        """The step's :class:`BatchInputs`. With the package's own ``prepare_inputs`` in ``parts``, gathered from
-        the persistent batch (the same batch :func:`prepare_inputs` builds from the request states, field by
-        field); with a learner's function there (chapter 8), that function's, called as
+        """The step's :class:`BatchInputs`. With the package's own :func:`prepare_inputs` as ``prepare_inputs_fn``,
+        gathered from the persistent batch (the same batch :func:`prepare_inputs` builds from the request states,
+        field by field); with a learner's function there (chapter 8), that function's, called as
         ``prepare_inputs(scheduler_output, requests, block_size, device)``."""
-        if self.parts.prepare_inputs is not prepare_inputs:
-            return self.parts.prepare_inputs(so, self.requests, self.block_size, self.device)
+        if self.prepare_inputs_fn is not prepare_inputs:
+            return self.prepare_inputs_fn(so, self.requests, self.block_size, self.device)
         batch, bs = self.input_batch, self.block_size
         req_ids = list(so.num_scheduled_tokens)
         num_reqs = len(req_ids)
@@ -401,10 +408,10 @@ class ModelRunner:
                            torch.from_numpy(cu - 1).to(dev), discard_request_mask, drafts)
 
     def make_attention(self, md: AttentionMetadata):
-        """The :class:`~minillm.attention.backend.AttentionImpl` of one step: ``parts.attention`` request by request
+        """The :class:`~minillm.attention.backend.AttentionImpl` of one step: ``attention_fn`` request by request
         when it is set, else the configured backend; wrapped in the KV connector's layer hooks when there is one."""
-        if self.parts.attention is not None:
-            attn = PagedAttention(self.kv_caches, md, backend="torch", attend=self.parts.attention)
+        if self.attention_fn is not None:
+            attn = PagedAttention(self.kv_caches, md, backend="torch", attend=self.attention_fn)
         elif self.attention_backend == "torch":
             attn = TorchSDPAAttention(self.kv_caches, md)
         else:

@@ -40,21 +40,22 @@ placeholder terms below (``num_output_placeholders``) are 0 without it.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from minillm.config import SchedulerConfig
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.kv_cache_utils import KVCacheBlock
-from minillm.core.sched.output import (CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput)
+from minillm.core.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                       SchedulerOutput)
 from minillm.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from minillm.core.sched.utils import check_stop
 from minillm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from minillm.core.sched.output import KVConnectorOutput
     from minillm.distributed.kv_transfer.base import KVConnectorBase_V1
-    from minillm.engine.parts import EngineParts
 
 
 @dataclass
@@ -103,14 +104,17 @@ class Scheduler:
         num_gpu_blocks: KV cache blocks (including the null block the block pool reserves).
         block_size: tokens per KV block.
         enable_prefix_caching: reuse full blocks whose token prefix matches.
-        parts: the engine's replaceable functions (:class:`~minillm.engine.parts.EngineParts`); the scheduler
-            calls ``parts.check_stop`` and hands the rest to its :class:`KVCacheManager`. Default: the package's.
+        check_stop_fn: decides after each appended token whether a request is finished (exercise 5.3's
+            signature; default: :func:`~minillm.core.sched.utils.check_stop`).
+        kv_cache_fns: passed on to the :class:`KVCacheManager` (``allocate_fn``, ``block_hashes_fn``,
+            ``num_cached_tokens_fn``, ``free_fn``); default: its own. Chapter 8's engine hands a learner's down
+            through these two, so the scheduler never imports the engine.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, block_size: int = 16,
-                 enable_prefix_caching: bool = True, parts: EngineParts | None = None) -> None:
-        from minillm.engine.parts import EngineParts
-
+                 enable_prefix_caching: bool = True, *,
+                 check_stop_fn: Callable[[Request, int], bool] = check_stop,
+                 **kv_cache_fns: Callable[..., object]) -> None:
         if not isinstance(scheduler_config, SchedulerConfig):
             raise ValueError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         self.scheduler_config = scheduler_config
@@ -119,9 +123,9 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.block_size = block_size
-        self.parts = parts if parts is not None else EngineParts()
+        self.check_stop_fn = check_stop_fn
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching,
-                                               parts=self.parts)
+                                               **kv_cache_fns)
         # One request of max_model_len tokens must fit alone, or it would preempt itself forever.
         if self.kv_cache_manager.num_free_blocks * block_size < self.max_model_len:
             raise ValueError(
@@ -421,20 +425,21 @@ class Scheduler:
         self.finished_req_ids = set()
 
     # -- after the model ran ------------------------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append the sampled tokens, stop finished requests and free their blocks.
 
         Args:
             scheduler_output: what :meth:`schedule` returned for this step.
-            model_runner_output: a :class:`~minillm.core.sched.output.ModelRunnerOutput` (``req_id_to_index``,
-                ``sampled_token_ids`` as one list of ints per row).
+            model_runner_output: the runner's result for it (``req_id_to_index``, ``sampled_token_ids`` as one
+                list of ints per row, ``kv_connector_output`` with a KV connector).
 
         Returns:
             One :class:`EngineCoreOutput` per request that got tokens or finished in this step.
         """
         outputs: list[EngineCoreOutput] = []
         stopped: set[int] = set()
-        kv_output = getattr(model_runner_output, "kv_connector_output", None)
+        kv_output = model_runner_output.kv_connector_output
         failed_loads = self._handle_kv_load_failures(kv_output, scheduler_output) if kv_output is not None else set()
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
@@ -470,7 +475,7 @@ class Scheduler:
         """
         for i, token_id in enumerate(new_token_ids, 1):
             request.append_output_token_ids(token_id)
-            if self.parts.check_stop(request, self.max_model_len):
+            if self.check_stop_fn(request, self.max_model_len):
                 return new_token_ids[:i], True
         return new_token_ids, False
 
@@ -549,10 +554,10 @@ class Scheduler:
         request.spec_token_ids = []
         self.prev_step_scheduled_req_ids.discard(request.request_id)
 
-    def update_draft_token_ids(self, model_runner_output: Any) -> None:
+    def update_draft_token_ids(self, model_runner_output: ModelRunnerOutput) -> None:
         """Store the drafts the runner proposed (``model_runner_output.draft_token_ids``) on their requests, to be
         verified next step. Finished or unknown requests, and requests still mid-prefill, get none."""
-        drafts = getattr(model_runner_output, "draft_token_ids", None)
+        drafts = model_runner_output.draft_token_ids
         if drafts is None:
             return
         for rid, draft in zip(model_runner_output.req_ids, drafts):

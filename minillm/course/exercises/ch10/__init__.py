@@ -1,0 +1,25 @@
+"""The checks of chapter 10's exercises (``solutions/10_engine_core.ipynb``), and the tiny model they run on.
+
+- :func:`check_update_states` (exercise 10.1, the persistent batch): the learner's ``update_states(batch, requests,
+  scheduler_output)`` replays the plans of a real engine run beside the package's ``ModelRunner._update_states``,
+  and after every step the two batches (slot order, tokens, drafts, context lengths, block-table rows) and request
+  states must be equal (:mod:`minillm.course.exercises.ch10.persistent_batch`).
+- :func:`check_placeholder_scheduler` (exercise 10.2, the placeholder accounting): an ``EngineCore`` with async
+  scheduling runs the learner's ``Scheduler`` subclass in lockstep with one running the package's
+  ``AsyncScheduler``; every schedule and every update must leave the same ``num_output_placeholders``, and the
+  tokens must be the synchronous engine's (:mod:`minillm.course.exercises.ch10.placeholders`).
+
+Both run the learner's code through :func:`~minillm.course.exercises.tripwire.guard`, so an answer that calls the package's
+own implementation of the part fails with a :class:`~minillm.course.exercises.tripwire.DelegationError`; the references
+run outside it. Each raises ``AssertionError`` at the first difference, saying what differs and, for the usual
+mistakes, why.
+
+vLLM has no such checks; the parts they check are ``vllm/v1/worker/gpu_model_runner.py:GPUModelRunner._update_states``
+and ``vllm/v1/core/sched/async_scheduler.py:AsyncScheduler._update_after_schedule`` (with the placeholder term of
+``vllm/v1/core/sched/scheduler.py:Scheduler._update_request_with_output``).
+"""
+from minillm.course.exercises.ch10.persistent_batch import check_update_states, record_plans
+from minillm.course.exercises.ch10.placeholders import check_placeholder_scheduler
+from minillm.course.exercises.ch10.tiny import TINY_CONFIG, tiny_llama
+
+__all__ = ["TINY_CONFIG", "check_placeholder_scheduler", "check_update_states", "record_plans", "tiny_llama"]

@@ -1,0 +1,77 @@
+"""Compare a learner's function with the reference on many cases, and say exactly which case differs."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor{tuple(x.shape)} {x.dtype}"
+    if isinstance(x, (list, tuple)) and len(x) > 8:
+        return f"{type(x).__name__} of {len(x)}"
+    return repr(x)
+
+
+def _compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
+    """``None`` if equal, else a sentence saying what differs."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"expected a tensor, got {type(got).__name__}"
+        if got.shape != want.shape:
+            return f"shape {tuple(got.shape)} != expected {tuple(want.shape)}"
+        if want.dtype == torch.bool or not want.is_floating_point():
+            if not torch.equal(got.to(want.dtype), want):
+                bad = (got.to(want.dtype) != want).nonzero()[:3].tolist()
+                return f"values differ at indices {bad}"
+            return None
+        if not torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol, equal_nan=True):
+            # NaN where the reference is finite must count as the largest difference, not vanish from max(); an
+            # infinite difference stays inf (nan_to_num would otherwise turn it into the largest finite float).
+            diff = torch.nan_to_num((got.float() - want.float()).abs(), nan=float("inf"), posinf=float("inf"))
+            # Equal entries (the same infinity on both sides included: inf - inf is NaN) and NaN on both sides agree.
+            same = (got.float() == want.float()) | (torch.isnan(got.float()) & torch.isnan(want.float()))
+            diff = diff.masked_fill(same, 0.0)
+            idx = tuple(torch.nonzero(diff == diff.max())[0].tolist()) if diff.numel() else ()
+            return f"max abs difference {diff.max().item():.3g} at index {idx} (tolerance atol={atol}, rtol={rtol})"
+        return None
+    if isinstance(want, (tuple, list)) and want and isinstance(want[0], torch.Tensor):
+        if not isinstance(got, (tuple, list)) or len(got) != len(want):
+            return f"expected {len(want)} outputs, got {_describe(got)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            msg = _compare(g, w, atol, rtol)
+            if msg:
+                return f"output {i}: {msg}"
+        return None
+    return None if got == want else f"got {got!r}, expected {want!r}"
+
+
+def check_cases(learner: Callable[..., Any], reference: Callable[..., Any], cases: Iterable[dict[str, Any]],
+                atol: float = 1e-5, rtol: float = 1e-5, name: str = "your function",
+                exercise: str | None = None) -> int:
+    """Call ``learner(**case)`` and ``reference(**case)`` for every case; raise ``AssertionError`` at the first
+    difference, naming the case. Returns the number of cases checked (and prints it).
+
+    With ``exercise`` ("2.1"), the learner runs under :func:`~minillm.course.exercises.tripwire.guard`: an answer that calls
+    the package's own implementation of that exercise's part fails with
+    :class:`~minillm.course.exercises.tripwire.DelegationError`. The reference always runs unguarded.
+    """
+    if exercise is not None:
+        from minillm.course.exercises.tripwire import guard
+
+        learner = guard(exercise, learner)
+    n = 0
+    for case in cases:
+        want = reference(**case)
+        got = learner(**case)
+        msg = _compare(got, want, atol, rtol)
+        if msg:
+            args = ", ".join(f"{k}={_describe(v)}" for k, v in case.items())
+            raise AssertionError(f"{name} differs from the reference for ({args}): {msg}")
+        n += 1
+    if n == 0:
+        raise AssertionError("no cases were checked")
+    print(f"All {n} cases agree with the reference.")
+    return n

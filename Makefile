@@ -68,7 +68,7 @@ test-portable: setup
 test-browser: setup
 	$(PY) -m pytest -p no:xdist tests/test_browser.py tests/browser_run_all.py
 
-# The nbgrader test over every chapter, capstone included, each graded twice (the fast `make test` grades 00, 02, 04).
+# The nbgrader test over every chapter, capstone included, each graded twice (the fast `make test` grades 00, 02, 10).
 test-classroom: classroom
 	MINILLM_NBGRADER_CHAPTERS=all OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -p no:xdist tests/test_nbgrader.py
 

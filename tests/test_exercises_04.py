@@ -1,8 +1,11 @@
 """Exercises 4.1-4.3 (the scheduler): every check cell catches the usual wrong answers and says why, and accepts the
 solution. Each wrong answer is the solution's own code with one thing changed (``tests/exercise_helpers.mutated``).
 An answer that calls the package's own method (``super()._schedule_waiting(step)``) fails every check, and so does
-one that inherits it. Challenge 4 (admission with a KV-cache watermark) accepts the solution and names the usual
-slips.
+one that inherits it. Challenge 4 (admission with a KV-cache watermark) names the usual slips.
+
+That every check accepts the solution is nbval's to check: ``make test`` runs ``solutions/04_scheduler.ipynb`` top to
+bottom, every check cell included, and compares the stored "Challenge 4 passed: ..." line (about 30 s of one core,
+not repeated here).
 """
 from __future__ import annotations
 
@@ -37,9 +40,6 @@ def _scheduler(exercise: str, name: str, *edits):
     return _in_main(mutated(NB04, exercise, name, *edits, header=SCHED_HEADER))
 
 
-def test_04_checks_accept_the_solutions():
-    for exercise in ("4.1", "4.2", "4.3"):
-        assert run_check(NB04, exercise) is None
 
 
 @pytest.mark.parametrize("edits, why", [
@@ -243,9 +243,6 @@ def _challenge_answer(*edits):
     return _defined(source, "WatermarkScheduler")
 
 
-def test_challenge_4_accepts_the_solution(capsys):
-    assert run_challenge(NB04, 4) is None
-    assert "Challenge 4 passed" in capsys.readouterr().out
 
 
 def test_challenge_4_delegating_answers_fail():

@@ -14,7 +14,7 @@ import torch
 
 from minillm.attention.reference import merge_attn_states  # a global, as a notebook's import makes it
 from minillm.distributed.splits import make_split
-from tests.exercise_helpers import run_check
+from tests.exercise_helpers import run_challenge, run_check
 
 SOLUTION = "07_context_parallel.ipynb"
 
@@ -355,17 +355,18 @@ def _striped(num_tokens, world_size, interleave=1, rank_of=None, clip=True, merg
 
 
 def test_challenge_7_solution_passes():
-    assert run_check(SOLUTION, "7") is None
+    assert run_challenge(SOLUTION, 7, setup_only=True) is None
 
 
 def test_challenge_7_the_test_split_is_right():
-    assert run_check(SOLUTION, "7", striped_split=_striped) is None
+    assert run_challenge(SOLUTION, 7, setup_only=True, striped_split=_striped) is None
 
 
 def test_challenge_7_delegating_answer_fails():
     from minillm.course.exercises.challenges import ch07
 
-    _assert_caught(run_check(SOLUTION, "7", striped_split=lambda t, r, s=1: ch07.striped_split(t, r, s)),
+    _assert_caught(run_challenge(SOLUTION, 7, setup_only=True,
+                                 striped_split=lambda t, r, s=1: ch07.striped_split(t, r, s)),
                    "Challenge 7 asks you to write this yourself", "striped_split")
 
 
@@ -373,16 +374,17 @@ def test_challenge_7_position_modulo_ranks_is_named():
     def by_position(num_tokens, world_size, interleave=1):   # the run's start, not its index, dealt round-robin
         return _striped(num_tokens, world_size, interleave, rank_of=lambda k, start: start % world_size)
 
-    _assert_caught(run_check(SOLUTION, "7", striped_split=by_position), "on rank", "run's index")
+    _assert_caught(run_challenge(SOLUTION, 7, setup_only=True, striped_split=by_position), "on rank", "run's index")
 
 
 def test_challenge_7_unclipped_last_run_is_named():
-    _assert_caught(run_check(SOLUTION, "7", striped_split=partial(_striped, clip=False)), "outside 0 .. 6",
+    _assert_caught(run_challenge(SOLUTION, 7, setup_only=True, striped_split=partial(_striped, clip=False)),
+                   "outside 0 .. 6",
                    "The last run stops at the prompt's end")
 
 
 def test_challenge_7_merged_runs_are_named():
-    _assert_caught(run_check(SOLUTION, "7", striped_split=partial(_striped, merge_runs=True)),
+    _assert_caught(run_challenge(SOLUTION, 7, setup_only=True, striped_split=partial(_striped, merge_runs=True)),
                    "one Piece per run of interleave positions")
 
 
@@ -391,7 +393,8 @@ def test_challenge_7_permutation_instead_of_its_inverse_is_named():
         split = _striped(num_tokens, world_size, interleave)
         return torch.cat([split.positions(r) for r in range(world_size)])
 
-    _assert_caught(run_check(SOLUTION, "7", striped_restore_order=held_not_restored), "the position each row holds",
+    _assert_caught(run_challenge(SOLUTION, 7, setup_only=True, striped_restore_order=held_not_restored),
+                   "the position each row holds",
                    "the inverse")
 
 
@@ -401,5 +404,6 @@ def test_challenge_7_too_strict_value_error_is_named():
             raise ValueError("fewer tokens than runs")
         return _striped(num_tokens, world_size, interleave)
 
-    _assert_caught(run_check(SOLUTION, "7", striped_split=strict), "striped_split(5, 3, 2) raised ValueError",
+    _assert_caught(run_challenge(SOLUTION, 7, setup_only=True, striped_split=strict),
+                   "striped_split(5, 3, 2) raised ValueError",
                    "every rank holds a token")

@@ -32,16 +32,18 @@ BACKENDS = ("torch", "triton")
 
 # -- the tensors ------------------------------------------------------------------------------------------------------
 def allocate_kv_caches(config: LlamaConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu") -> list[KVCache]:
+                       device: torch.device | str = "cpu", num_kv_heads: int | None = None) -> list[KVCache]:
     """One ``(key_cache, value_cache)`` pair per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
     Zero-filled. Block 0 is the null block the manager never hands out, so the usable capacity is ``(num_blocks -
     1) * block_size`` tokens. Memory: ``num_blocks * block_size * config.kv_cache_bytes_per_token(dtype size)``.
+    ``num_kv_heads``: the KV heads this cache holds; default the model's, fewer on a tensor-parallel rank (its share).
     """
     if num_blocks < 2 or block_size < 1:
         raise ValueError(f"need num_blocks >= 2 (block 0 is the null block) and block_size >= 1, got "
                          f"num_blocks={num_blocks}, block_size={block_size}")
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    shape = (num_blocks, block_size, config.num_key_value_heads if num_kv_heads is None else num_kv_heads,
+             config.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_hidden_layers)]
 

@@ -25,6 +25,7 @@ import torch
 
 from minillm.attention.paged import BACKENDS
 from minillm.config import SCHEDULING_POLICIES, KVTransferConfig, LlamaConfig, SchedulerConfig
+from minillm.model.parallel_layers import num_kv_heads_per_rank
 from minillm.platforms.cpu import DtypeChoice
 from minillm.platforms.dtype import parse_dtype, resolve_dtype  # noqa: F401 (re-exported)
 
@@ -131,6 +132,10 @@ class EngineArgs:
             in-process engine the notebooks build with ``LLMEngine(model, ...)`` to look inside stays synchronous
             unless asked, so that each ``step()`` is one plan and its outputs. ``True`` with n-gram drafts raises
             vLLM's error.
+        tensor_parallel_size: ranks (worker processes) the model is split over, Megatron-style (chapter 10); 1: the
+            whole model in the engine core's process. Each rank caches only its KV heads, so a memory budget holds
+            ``tensor_parallel_size`` times the blocks while ranks do not outnumber the KV heads. CPU only here
+            (gloo); the model must split (SmolLM2: 1, 3 or 9), else vLLM's error.
     """
 
     model: str | None = None
@@ -153,6 +158,7 @@ class EngineArgs:
     device: str | None = None
     seed: int = 0
     async_scheduling: bool | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.verify()
@@ -214,6 +220,15 @@ class EngineArgs:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA device")
         parse_dtype(self.dtype, device)
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1:
+            if device != "cpu":
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} runs its ranks on the CPU over "
+                                 f"gloo here; device {device!r} is not supported with it (vLLM uses NCCL on GPUs)")
+            if self.kv_transfer_config is not None:
+                raise ValueError("a KV connector (kv_transfer_config) with tensor_parallel_size > 1 is not supported "
+                                 "by minillm yet; use tensor_parallel_size=1 for disaggregated prefill")
 
     def async_scheduling_incompatibility(self) -> str | None:
         """What configured here rules async scheduling out, as vLLM v0.33.0 words it; ``None`` if nothing."""
@@ -286,12 +301,17 @@ class EngineArgs:
         """KV blocks to allocate (null block included), from the explicit count or a memory budget.
 
         ``kv_cache_dtype`` is the dtype of the cache (the engine passes its model's: a bf16 model gets twice the
-        blocks of an fp32 one in the same bytes); ``None``: :meth:`resolved_dtype`.
+        blocks of an fp32 one in the same bytes); ``None``: :meth:`resolved_dtype`. A budget is per rank: with
+        tensor parallelism each rank caches only its KV heads (:func:`~minillm.model.parallel_layers.
+        num_kv_heads_per_rank`), so the same bytes hold more blocks, and every rank allocates this many.
         """
         if self.num_gpu_blocks is not None:
             return self.num_gpu_blocks
         dtype_bytes = torch.empty((), dtype=kv_cache_dtype or self.resolved_dtype()).element_size()
-        block_bytes = self.block_size * model_config.kv_cache_bytes_per_token(dtype_bytes)
+        # Per rank: a tensor-parallel rank caches only its KV heads, and the budget is each rank's.
+        kv_heads = num_kv_heads_per_rank(model_config.num_key_value_heads, self.tensor_parallel_size)
+        block_bytes = (self.block_size * model_config.kv_cache_bytes_per_token(dtype_bytes) * kv_heads
+                       // model_config.num_key_value_heads)
         if self.kv_cache_memory_bytes is not None:
             budget = self.kv_cache_memory_bytes
         elif self.kv_cache_memory_fraction is not None:

@@ -49,11 +49,16 @@ from minillm.engine import (EngineCoreOutputs, EngineCoreRequest, EngineCoreRequ
                             UtilityOutput)
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.parts import EngineParts
+from minillm.executor.abstract import Executor
+from minillm.executor.multiproc_executor import MultiprocExecutor
 from minillm.executor.uniproc_executor import UniProcExecutor
 from minillm.model.llama import LlamaForCausalLM
+from minillm.model.llama_tp import check_tensor_parallel_config
 from minillm.request import Request, RequestStatus
 from minillm.serial_utils import MsgpackDecoder, MsgpackEncoder
+from minillm.system_utils import watch_parent
 from minillm.worker.model_runner import ModelRunner
+from minillm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +131,25 @@ class EngineCore:
                                             args.block_size)
             self.scheduler.set_kv_connector(self.kv_connector_scheduler)
         self.eos_token_id = eos_token_id if eos_token_id is not None else model.config.eos_token_id
-        self.model_runner = ModelRunner(model, self.num_gpu_blocks, args.block_size, self.attention_backend,
-                                        eos_token_id=self.eos_token_id,
-                                        speculative_config=args.speculative_config,
-                                        **self.parts.model_runner_fns(),
-                                        kv_connector=self.kv_connector_worker,
-                                        max_num_reqs=self.scheduler_config.max_num_seqs,
-                                        max_model_len=self.max_model_len)
-        self.model_executor = UniProcExecutor(self.model_runner, model_thread)
+        runner_kwargs = dict(num_blocks=self.num_gpu_blocks, block_size=args.block_size,
+                             attention_backend=self.attention_backend, eos_token_id=self.eos_token_id,
+                             speculative_config=args.speculative_config, kv_connector=self.kv_connector_worker,
+                             max_num_reqs=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len)
+        self.tensor_parallel_size = args.tensor_parallel_size
+        self.model_executor: Executor
+        if self.tensor_parallel_size == 1:
+            worker = Worker(model, **runner_kwargs, **self.parts.model_runner_fns())
+            self.model_runner: ModelRunner | None = worker.model_runner
+            self.model_executor = UniProcExecutor(worker, model_thread)
+        else:
+            # vLLM's rule, before any process starts: the heads must split over the ranks.
+            check_tensor_parallel_config(model.config, self.tensor_parallel_size)
+            if self.parts.replaced():
+                raise ValueError(f"replaced engine parts ({self.parts.replaced()}) run with tensor_parallel_size=1 "
+                                 f"only (they live in this process, the ranks in others)")
+            self.model_runner = None  # each rank holds its own, in its own process
+            # Each rank gets its share of this process's threads: more would fight over the same cores.
+            self.model_executor = MultiprocExecutor(model, self.tensor_parallel_size, runner_kwargs, seed=args.seed)
         self.async_scheduling = async_scheduling
         # vLLM: VllmConfig.max_concurrent_batches, 2 with async scheduling (one step running, the next planned).
         self.batch_queue_size = 2 if async_scheduling else 1
@@ -167,7 +183,7 @@ class EngineCore:
         them when the next step's ``finished_req_ids`` reach it; with no step in flight it is told at once."""
         self.scheduler.finish_requests(request_ids, status)
         if not self.batch_queue and request_ids:  # no step in flight reads the runner's states (always when sync)
-            self.model_runner.remove_requests(request_ids)
+            self.model_executor.collective_rpc("remove_requests", (request_ids,))
 
     def has_requests(self) -> bool:
         """Work left: requests in the scheduler (or K/V still being sent), or steps in flight."""
@@ -254,7 +270,7 @@ class EngineCore:
         if not self.batch_queue and self.scheduler.finished_req_ids:
             # No step in flight (always so when synchronous): the runner can drop the finished requests now rather
             # than with the next step's finished_req_ids, so an idle engine holds no request state at all.
-            self.model_runner.remove_requests(list(self.scheduler.finished_req_ids))
+            self.model_executor.collective_rpc("remove_requests", (list(self.scheduler.finished_req_ids),))
         stats = self.stats
         if scheduler_output.total_num_scheduled_tokens:
             stats.num_steps += 1
@@ -444,15 +460,6 @@ class EngineCoreProc(EngineCore):
         return EngineCoreOutput(request.request_id, [], finish_reason="abort")
 
 
-def _watch_parent(death_pipe: Any) -> None:
-    """Exit when the parent goes away: its end of the pipe closes (even on SIGKILL) and ``recv`` fails."""
-    try:
-        death_pipe.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(0)
-
-
 def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_scheduling: bool, input_address: str,
                     output_address: str, death_pipe: Any, num_threads: int | None = None,
                     model_pipe: Any = None) -> None:
@@ -470,7 +477,7 @@ def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_sch
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    threading.Thread(target=_watch_parent, args=(death_pipe,), name="minillm-parent-watch", daemon=True).start()
+    threading.Thread(target=watch_parent, args=(death_pipe,), name="minillm-parent-watch", daemon=True).start()
     # One thread does all of PyTorch's work in this process (loading, the KV cache, every step): a second thread
     # running ops would bring a second OpenMP team onto the same cores (see UniProcExecutor).
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-model")

@@ -267,6 +267,10 @@ class MPClient(EngineCoreClient):
         info = MsgpackDecoder().decode(payload)
         if kind == FAILED:
             self.shutdown()
+            if info.startswith("ValueError: "):
+                # An argument only the loaded model can check (e.g. heads that do not split over the ranks): the
+                # caller's mistake, raised as the in-process engine raises it.
+                raise ValueError(info.removeprefix("ValueError: "))
             raise RuntimeError(f"the engine core failed to start: {info}")
         assert kind == READY, kind
         return info

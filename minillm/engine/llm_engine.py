@@ -47,6 +47,7 @@ from minillm.engine.core_client import AsyncMPClient, EngineCoreClient, InprocCl
 from minillm.engine.output_processor import OutputProcessor
 from minillm.engine.outputs import RequestOutput
 from minillm.engine.parts import EngineParts
+from minillm.executor.abstract import Executor
 from minillm.model.llama import LlamaForCausalLM
 from minillm.request import RequestStatus
 from minillm.sampling_params import SamplingParams
@@ -174,11 +175,20 @@ class LLMEngine:
 
     @property
     def model_runner(self) -> ModelRunner:
-        return self._inproc("model_runner").model_runner
+        core = self._inproc("model_runner")
+        if core.model_runner is None:
+            raise AttributeError(f"with tensor_parallel_size={core.tensor_parallel_size} each rank's model runner "
+                                 f"lives in its worker process; engine.model_executor.worker_info describes them")
+        return core.model_runner
+
+    @property
+    def model_executor(self) -> Executor:
+        """The executor that runs each step: one worker in this process, or one process per tensor-parallel rank."""
+        return self._inproc("model_executor").model_executor
 
     @property
     def model(self) -> LlamaForCausalLM:
-        return self._inproc("model").model_runner.model
+        return self.model_runner.model
 
     @property
     def parts(self) -> EngineParts:

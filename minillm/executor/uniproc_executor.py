@@ -21,18 +21,20 @@ from typing import Any
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.executor.abstract import Executor
-from minillm.worker.model_runner import ModelRunner
+from minillm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    """Runs steps on one :class:`~minillm.worker.model_runner.ModelRunner`.
+    """Runs steps on one :class:`~minillm.worker.worker.Worker`, in this process.
 
     Args:
-        model_runner: the runner (it owns the model and the paged KV cache).
+        worker: the one worker (its model runner owns the model and the paged KV cache).
+        model_thread: the thread every step runs on (see the module docstring); ``None``: the caller's, or a thread
+            of the executor's own for ``non_block``.
     """
 
-    def __init__(self, model_runner: ModelRunner, model_thread: ThreadPoolExecutor | None = None) -> None:
-        self.model_runner = model_runner
+    def __init__(self, worker: Worker, model_thread: ThreadPoolExecutor | None = None) -> None:
+        self.driver_worker = worker
         self._thread: ThreadPoolExecutor | None = model_thread
         self._always_on_thread = model_thread is not None
         # (start, end) of each step's execution, time.monotonic(), while the engine core records a timeline.
@@ -40,10 +42,10 @@ class UniProcExecutor(Executor):
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.timeline is None:
-            return self.model_runner.execute_model(scheduler_output)
+            return self.driver_worker.execute_model(scheduler_output)
         start = time.monotonic()
         try:
-            return self.model_runner.execute_model(scheduler_output)
+            return self.driver_worker.execute_model(scheduler_output)
         finally:
             self.timeline.append((start, time.monotonic()))
 
@@ -64,8 +66,8 @@ class UniProcExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         if self._always_on_thread:
-            return [self._thread.submit(getattr(self.model_runner, method), *args).result()]
-        return [getattr(self.model_runner, method)(*args)]
+            return [self._thread.submit(getattr(self.driver_worker, method), *args).result()]
+        return [getattr(self.driver_worker, method)(*args)]
 
     def shutdown(self) -> None:
         if self._thread is not None:

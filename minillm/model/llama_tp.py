@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minillm.attention.backend import AttentionImpl
 from minillm.attention.reference import reference_attention
 from minillm.config import LlamaConfig
 from minillm.distributed.parallel_state import (TensorParallelGroup, check_tp_rank, simulate_all_gather,
@@ -80,8 +81,12 @@ class TensorParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(attn.o_proj, tp_rank, tp_size, group, name=f"layer {self.layer_idx} o_proj")
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
 
-    def partial(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` (after the input norm) -> this rank's partial attention output ``[n, hidden]``."""
+    def partial(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionImpl | None = None
+                ) -> torch.Tensor:
+        """``[n, hidden]`` (after the input norm) -> this rank's partial attention output ``[n, hidden]``.
+
+        ``attn``: where this rank's K/V history lives (the engine's paged cache of its own KV heads); ``None``:
+        plain causal attention over these tokens only (one sequence, no cache)."""
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -89,13 +94,15 @@ class TensorParallelAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         # Local query head j reads local KV head j // (num_heads / num_kv_heads): the grouping rule of the full
-        # model, which QKVParallelLinear checked holds for this rank's heads. Plain causal prefill of one sequence.
-        out = reference_attention(q, k, v)
+        # model, which QKVParallelLinear checked holds for this rank's heads. Any attention backend sees only these
+        # heads, so the paged cache of a rank holds only its KV heads.
+        out = reference_attention(q, k, v) if attn is None else attn.forward(self.layer_idx, q, k, v)
         return self.o_proj.partial(out.reshape(n, self.num_heads * self.head_dim))
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionImpl | None = None
+                ) -> torch.Tensor:
         """``[n, hidden]`` -> the full attention output ``[n, hidden]`` (one all-reduce)."""
-        return self.o_proj.reduce(self.partial(positions, hidden))
+        return self.o_proj.reduce(self.partial(positions, hidden, attn))
 
 
 class TensorParallelMLP(nn.Module):
@@ -139,17 +146,18 @@ class TensorParallelDecoderLayer(nn.Module):
         self.input_layernorm = _copy_norm(layer.input_layernorm)
         self.post_attention_layernorm = _copy_norm(layer.post_attention_layernorm)
 
-    def attn_partial(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def attn_partial(self, positions: torch.Tensor, h: torch.Tensor, attn: AttentionImpl | None = None
+                     ) -> torch.Tensor:
         """Residual stream ``[n, hidden]`` -> this rank's partial attention update ``[n, hidden]``."""
-        return self.self_attn.partial(positions, self.input_layernorm(h))
+        return self.self_attn.partial(positions, self.input_layernorm(h), attn)
 
     def mlp_partial(self, h: torch.Tensor) -> torch.Tensor:
         """Residual stream ``[n, hidden]`` (after attention) -> this rank's partial MLP update ``[n, hidden]``."""
         return self.mlp.partial(self.post_attention_layernorm(h))
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, attn: AttentionImpl | None = None) -> torch.Tensor:
         """``[n, hidden]`` in and out; two all-reduces."""
-        h = h + self.self_attn.o_proj.reduce(self.attn_partial(positions, h))
+        h = h + self.self_attn.o_proj.reduce(self.attn_partial(positions, h, attn))
         return h + self.mlp.down_proj.reduce(self.mlp_partial(h))
 
 
@@ -217,12 +225,29 @@ class TensorParallelLlamaForCausalLM(nn.Module):
         """``[n]`` ids -> this rank's partial embedding ``[n, hidden]`` (zeros for ids outside its vocab slice)."""
         return self.model.embed_tokens.partial(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Plain causal prefill of one sequence (no KV cache).
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this rank holds, in every layer: what its share of the paged KV cache stores."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attn: AttentionImpl | None = None) -> torch.Tensor:
+        """Run the decoder over a flat run of tokens, this rank's heads and features only.
 
         Args:
             input_ids: ``[num_tokens]`` token ids (the same on every rank).
             positions: ``[num_tokens]``; default ``0 ... num_tokens-1``.
+            attn: where this rank's K/V history lives (the engine's paged cache, ``[num_blocks, block_size,
+                num_kv_heads, head_dim]`` per layer with this rank's ``num_kv_heads``); ``None``: plain causal
+                prefill of one sequence (no KV cache).
 
         Returns:
             Final normed hidden states ``[num_tokens, hidden]``, the same on every rank. Costs ``1 + 2 *
@@ -232,7 +257,7 @@ class TensorParallelLlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         with share_rotary_cache(positions):
             for layer in self.model.layers:
-                h = layer(positions, h)
+                h = layer(positions, h, attn)
         return self.model.norm(h)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

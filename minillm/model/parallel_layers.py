@@ -183,6 +183,15 @@ def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
                          f"number of ranks).")
 
 
+def num_kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """The KV heads each of ``tp_size`` ranks holds (and caches): split when there are enough, else one, replicated.
+
+    vLLM v0.33.0 computes the same in ``vllm/config/model.py:ModelConfig.get_num_kv_heads``: the total KV heads
+    divided by the tensor-parallel size, at least 1.
+    """
+    return max(1, num_kv_heads // tp_size)
+
+
 class QKVParallelLinear(nn.Module):
     """The q, k and v projections split by attention heads, fused into one matmul.
 

@@ -60,6 +60,7 @@ from minillm.core.sched.output import KVConnectorOutput, ModelRunnerOutput, Sche
 from minillm.distributed.kv_transfer.base import KVConnectorBase_V1
 from minillm.distributed.kv_transfer.kv_transfer_utils import KVConnectorAttention
 from minillm.model.llama import LlamaForCausalLM
+from minillm.model.llama_tp import TensorParallelLlamaForCausalLM
 from minillm.outputs import SamplerOutput
 from minillm.sample.metadata import SamplingMetadata, make_generator
 from minillm.sample.ops.topk_topp import apply_top_k_top_p
@@ -225,7 +226,8 @@ class ModelRunner:
     """Owns the paged KV cache and runs the model on scheduler outputs.
 
     Args:
-        model: the model (:class:`~minillm.model.llama.LlamaForCausalLM`).
+        model: the model (:class:`~minillm.model.llama.LlamaForCausalLM`), or a tensor-parallel rank's shard of it
+            (:class:`~minillm.model.llama_tp.TensorParallelLlamaForCausalLM`, whose logits come back whole).
         num_blocks: KV cache blocks, the null block 0 included (the scheduler's ``num_gpu_blocks``).
         block_size: tokens per block.
         attention_backend: ``"torch"`` or ``"triton"``.
@@ -244,6 +246,8 @@ class ModelRunner:
             most :data:`DEFAULT_MAX_NUM_REQS`.
         max_model_len: the most tokens one request may reach (the engine's ``max_model_len``); ``None``: the
             model's ``max_position_embeddings``.
+        num_kv_heads: the KV heads its cache holds: ``None`` for all of them; a tensor-parallel rank's share
+            (its :class:`~minillm.model.llama_tp.TensorParallelLlamaForCausalLM` ``num_kv_heads``).
 
     Attributes:
         requests: request id -> :class:`CachedRequestState`, every request the runner holds (preempted ones too).
@@ -259,13 +263,13 @@ class ModelRunner:
         last_step_seconds: wall time of the latest :meth:`execute_model`.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch",
+    def __init__(self, model: LlamaForCausalLM | TensorParallelLlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  kv_cache_dtype: torch.dtype | None = None, eos_token_id: int | None = None,
                  speculative_config: dict | None = None, attention_fn: Callable[..., torch.Tensor] | None = None,
                  top_k_top_p: Callable[..., torch.Tensor] = apply_top_k_top_p,
                  prepare_inputs_fn: Callable[..., BatchInputs] = prepare_inputs,
                  kv_connector: KVConnectorBase_V1 | None = None, max_num_reqs: int | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, num_kv_heads: int | None = None) -> None:
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.model = model
@@ -275,7 +279,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.eos_token_id = model.config.eos_token_id if eos_token_id is None else eos_token_id
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_cache_dtype or model.dtype,
-                                            self.device)
+                                            self.device, num_kv_heads)
         self.attention_fn = attention_fn
         self.prepare_inputs_fn = prepare_inputs_fn
         self.sampler = Sampler(top_k_top_p=top_k_top_p)

@@ -1,0 +1,87 @@
+"""One rank of the engine: its shard of the model, its share of the paged KV cache, and the model runner that steps
+them.
+
+With one rank (:class:`~minillm.executor.uniproc_executor.UniProcExecutor`) the worker holds the whole model. With
+tensor parallelism (:class:`~minillm.executor.multiproc_executor.MultiprocExecutor`, one process per rank) rank
+``r`` holds chapter 9's shard (:class:`~minillm.model.llama_tp.TensorParallelLlamaForCausalLM`: its query heads,
+the KV heads they read, its slice of the MLP and of the vocabulary) and its paged KV cache stores only those KV
+heads: ``[num_blocks, block_size, num_kv_heads / tp_size, head_dim]`` per layer (one replicated head when ranks
+outnumber KV heads, as vLLM does).
+
+Every rank runs every step on the same :class:`~minillm.core.sched.output.SchedulerOutput`: one scheduler, one
+block table, the same slot mapping everywhere, because a block id names the same tokens on every rank, only fewer
+heads of them. The logits are all-gathered, so every rank holds all of them and samples with the same seeds: each
+rank's persistent batch appends the same token without anyone sending it. Only rank 0's
+:class:`~minillm.core.sched.output.ModelRunnerOutput` goes back to the engine core.
+
+vLLM counterpart: ``vllm/v1/worker/gpu_worker.py:Worker`` (``init_device``, ``load_model``,
+``determine_available_memory``, ``execute_model``) around its ``GPUModelRunner``; every TP rank samples
+(``LogitsProcessor._gather_logits`` all-gathers the logits) and ``MultiprocExecutor.output_rank`` names the one
+whose output returns. vLLM sizes the KV cache from each GPU's free memory and takes the minimum over the ranks;
+here every rank has the same budget, so every rank gets the same number of blocks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from minillm.distributed.parallel_state import TensorParallelGroup
+from minillm.model.llama import LlamaForCausalLM
+from minillm.model.llama_tp import TensorParallelLlamaForCausalLM
+from minillm.worker.model_runner import ModelRunner
+
+
+class Worker:
+    """One rank: the model (or its shard), the paged KV cache of its KV heads, and the runner that steps them.
+
+    Args:
+        model: the full model; a rank of a group of several builds its shard from it (and holds no reference to it
+            afterwards).
+        rank: this worker's rank (``0 ... tp_size - 1``).
+        tp_group: the tensor-parallel group (``None``: one rank, the whole model).
+        runner_kwargs: the :class:`~minillm.worker.model_runner.ModelRunner`'s arguments (``num_blocks``,
+            ``block_size``, ``attention_backend``, ...), the same on every rank.
+
+    Attributes:
+        model_runner: this rank's runner, with its persistent batch and its KV cache.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, rank: int = 0, tp_group: TensorParallelGroup | None = None,
+                 **runner_kwargs: Any) -> None:
+        self.rank = rank
+        self.tp_group = tp_group
+        self.tp_size = 1 if tp_group is None else tp_group.world_size
+        if self.tp_size > 1:
+            model = TensorParallelLlamaForCausalLM(model, tp_group)
+            runner_kwargs["num_kv_heads"] = model.num_kv_heads
+        self.model_runner = ModelRunner(model, **runner_kwargs)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on this rank (every rank runs every step; the executor keeps rank 0's output)."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Drop finished requests from this rank's runner at once (see ``ModelRunner.remove_requests``)."""
+        self.model_runner.remove_requests(request_ids)
+
+    def check_health(self) -> None:
+        """Nothing to check inside a live process: the executor watches the processes themselves."""
+
+    def describe(self) -> dict[str, Any]:
+        """What this rank holds: its heads, its KV cache's shape and bytes, its weights' bytes, what it has sent."""
+        runner = self.model_runner
+        key_cache = runner.kv_caches[0][0]
+        model = runner.model
+        info: dict[str, Any] = {
+            "rank": self.rank, "tp_size": self.tp_size,
+            "kv_cache_shape": tuple(key_cache.shape),
+            "kv_cache_bytes": sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                                  for k, v in runner.kv_caches),
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        }
+        if isinstance(model, TensorParallelLlamaForCausalLM):
+            attn = model.model.layers[0].self_attn.qkv_proj
+            info.update(query_heads=list(attn.query_heads), kv_heads=list(attn.kv_heads))
+        if self.tp_group is not None:
+            info.update(self.tp_group.stats())
+        return info

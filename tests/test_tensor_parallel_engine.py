@@ -1,0 +1,190 @@
+"""Tensor parallelism inside the engine: ``tensor_parallel_size=N`` serves requests on N worker processes.
+
+Tokens: the tiny model's workload (chunked prefill, prefix hits, a forced preemption, stop ids, seeded sampling) at
+tp = 2 and 4 (4 ranks share 2 KV heads: each head replicated on 2 ranks) equals the one-process engine's, with
+async scheduling on and off; SmolLM2 at tp = 3 through ``LLM`` (its engine-core process, async scheduling) equals
+tp = 1 on the oracle prompts, and tp = 2 is refused with vLLM's message.
+
+Each rank caches only its KV heads, and a memory budget buys tp times the blocks while ranks do not outnumber the KV
+heads. Faults: a rank killed mid-generate gives ``EngineDeadError`` naming it within 10 s, a rank stuck (SIGSTOP)
+fails the step with a timeout that names the collective, and no process is left behind (``psutil``).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from minillm.engine import EngineDeadError
+from minillm.engine.arg_utils import EngineArgs
+from minillm.engine.llm_engine import LLMEngine
+from minillm.executor.multiproc_executor import MultiprocExecutor
+from minillm.model.parallel_layers import num_kv_heads_per_rank
+from minillm.sampling_params import SamplingParams
+from tests.engine_helpers import TINY, single_thread, tiny_model  # noqa: F401
+from tests.test_engine_core import CONFIGS, run, workload
+from tests.test_engine_core_process import wait_gone
+
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
+
+
+def engine(tp: int, async_scheduling: bool = False, **args) -> LLMEngine:
+    return LLMEngine(tiny_model(), None, EngineArgs(tensor_parallel_size=tp, async_scheduling=async_scheduling,
+                                                    **args))
+
+
+def rank_pids(eng: LLMEngine) -> list[int]:
+    return [p.pid for p in eng.model_executor.procs]
+
+
+@pytest.mark.parametrize("tp, config, async_scheduling", [
+    (2, "chunks of 5, block 4", False),
+    (2, "tight cache: preemption", True),
+    (4, "tight cache: preemption", False),
+])
+def test_ranks_give_the_one_process_tokens(tp, config, async_scheduling):
+    args = CONFIGS[config]
+    requests = workload(seed=3, seeded_sampling=True)
+    want = run(engine(1, async_scheduling, **args), requests)
+    eng = engine(tp, async_scheduling, **args)
+    try:
+        got = run(eng, requests)
+        info = eng.model_executor.worker_info
+        stats = eng.model_executor.collective_rpc("describe")
+        if "preemption" in config:
+            assert eng.stats.num_preemptions > 0, "the workload must force a preemption"
+    finally:
+        eng.shutdown()
+    assert got == want
+    assert any(p.seed is not None for _, _, _, p, _ in requests)  # seeded sampling was in it
+    # Each rank: its query heads, the KV heads they read (replicated when ranks outnumber KV heads), its cache.
+    per_rank = num_kv_heads_per_rank(TINY.num_key_value_heads, tp)
+    assert [i["query_heads"] for i in info] == [list(range(r * 4 // tp, (r + 1) * 4 // tp)) for r in range(tp)]
+    assert [i["kv_heads"] for i in info] == [[r * TINY.num_key_value_heads // max(tp, 2)] if tp >= 2 and per_rank == 1
+                                             else list(range(r * per_rank, (r + 1) * per_rank)) for r in range(tp)]
+    assert all(i["kv_cache_shape"] == (args["num_gpu_blocks"], args["block_size"], per_rank, TINY.head_dim)
+               for i in info)
+    # Every rank ran every step: the same all-reduces (1 embedding + 2 per layer per forward pass) on each.
+    assert len({s["num_all_reduces"] for s in stats}) == 1 and stats[0]["num_all_reduces"] > 0
+    assert stats[0]["num_all_reduces"] % (1 + 2 * TINY.num_hidden_layers) == 0
+
+
+def test_a_memory_budget_buys_tp_times_the_blocks_while_ranks_split_the_kv_heads():
+    budget = 4 << 20
+    blocks = {tp: EngineArgs(kv_cache_memory_bytes=budget, tensor_parallel_size=tp).resolved_num_gpu_blocks(
+        TINY, 512, torch.float32) for tp in (1, 2, 4)}
+    assert blocks[2] == 2 * blocks[1]            # 2 KV heads over 2 ranks: one each
+    assert blocks[4] == blocks[2]                # 4 ranks, 2 KV heads: one each, replicated
+    bytes_per_block = 2 * TINY.num_hidden_layers * 1 * TINY.head_dim * 4 * 16
+    assert blocks[2] == budget // bytes_per_block
+
+
+def test_smollm2_at_tp3_gives_the_tokens_of_one_process():
+    import minillm
+    from minillm import LLM
+    from tests.prompts import CHAT_PROMPTS, PLAIN_PROMPTS
+
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    one = LLM(max_model_len=512)
+    try:
+        prompts = PLAIN_PROMPTS + [minillm.chat_prompt_ids(one.get_tokenizer(), q) for q in CHAT_PROMPTS]
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+        paris = one.get_tokenizer().decode(want[len(PLAIN_PROMPTS)])
+    finally:
+        one.shutdown()
+    assert "Paris" in paris
+    llm = LLM(max_model_len=512, tensor_parallel_size=3, max_num_batched_tokens=32)  # chunked prefill
+    try:
+        core = psutil.Process(llm.llm_engine.engine_core.proc.pid)
+        ranks = [p for p in core.children() if "multiprocessing" in " ".join(p.cmdline())]
+        assert len(ranks) == 3, [p.cmdline() for p in core.children()]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts[-2:], params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert again == want[-2:]  # prefix-cache hits (the chat template's system prompt) on every rank's cache
+    assert all(wait_gone(p.pid) for p in ranks)
+
+
+def test_smollm2_on_2_ranks_is_refused_with_vllms_message():
+    from minillm import LLM
+
+    with pytest.raises(ValueError, match=r"Total number of attention heads \(9\) must be divisible by tensor "
+                                         r"parallel size \(2\)\."):
+        LLM(max_model_len=256, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        EngineArgs(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="KV connector"):
+        EngineArgs(tensor_parallel_size=2, kv_transfer_config={"kv_connector": "SharedStorageConnector",
+                                                               "kv_role": "kv_both"})
+
+
+def test_a_killed_rank_gives_engine_dead_error_naming_it_within_10_seconds():
+    eng = engine(2, max_num_batched_tokens=64, num_gpu_blocks=200, block_size=4)
+    pids = rank_pids(eng)
+    killed_at: list[float] = []
+
+    def kill_soon():
+        time.sleep(0.5)
+        killed_at.append(time.monotonic())
+        os.kill(pids[1], signal.SIGKILL)
+
+    threading.Thread(target=kill_soon, daemon=True).start()
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    try:
+        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {pids[1]}\) died with exit code -9"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # one request after another, so the kill lands mid-step
+                eng.add_request(f"r{time.monotonic_ns()}", list(range(1, 40)), long)
+                while eng.has_unfinished_requests():
+                    eng.step()
+        assert time.monotonic() - killed_at[0] < 10.0
+        with pytest.raises(EngineDeadError):  # and every later step
+            eng.model_executor.execute_model(eng.last_scheduler_output)
+    finally:
+        eng.shutdown()
+    assert all(wait_gone(pid) for pid in pids)
+
+
+def test_a_rank_stuck_in_a_collective_times_out_with_a_clear_error():
+    model = tiny_model()
+    args = EngineArgs(block_size=4, num_gpu_blocks=40, max_model_len=64, tensor_parallel_size=2)
+    eng = LLMEngine(model, None, args)
+    plan_engine = eng  # the plan of one step, made by the engine's own scheduler
+    eng.add_request("a", list(range(1, 20)), SamplingParams(temperature=0.0, max_tokens=4))
+    so = plan_engine.scheduler.schedule()
+    eng.shutdown()
+    executor = MultiprocExecutor(model, 2, dict(num_blocks=40, block_size=4, max_model_len=64), timeout_s=3.0)
+    pids = [p.pid for p in executor.procs]
+    try:
+        os.kill(pids[1], signal.SIGSTOP)  # rank 1 never reaches the first all-reduce
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"rank 0 failed: CollectiveError: rank 0: embed_tokens of "
+                                                  r"\(19, 64\) (failed: RuntimeError: .*timed out|did not complete)"):
+            executor.execute_model(so)
+        assert time.monotonic() - start < 10
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+        executor.shutdown()
+    assert all(wait_gone(pid) for pid in pids)
+
+
+def test_no_rank_outlives_del_or_shutdown():
+    eng = engine(2, num_gpu_blocks=40, block_size=4, max_model_len=64)
+    pids = rank_pids(eng)
+    del eng
+    gc.collect()
+    assert all(wait_gone(pid) for pid in pids), "deleting the engine must stop its ranks"
+    eng = engine(2, num_gpu_blocks=40, block_size=4, max_model_len=64)
+    pids = rank_pids(eng)
+    eng.shutdown()
+    assert all(wait_gone(pid) for pid in pids)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        eng.model_executor.collective_rpc("describe")

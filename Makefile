@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab test test-portable test-browser exercises clean classroom classroom-demo test-classroom book test-book
+.PHONY: setup lab test test-portable test-browser test-tp exercises clean classroom classroom-demo test-classroom book test-book
 
 # Re-running is fast: the stamp is newer than the files that decide what is installed.
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -67,6 +67,12 @@ test-portable: setup
 # Every lesson run top to bottom in JupyterLab in Chromium (Run All), as after `make lab`; plus the widget clicks.
 test-browser: setup
 	$(PY) -m pytest -p no:xdist tests/test_browser.py tests/browser_run_all.py
+
+# Tensor parallelism on SmolLM2 (3 ranks): LLM's tokens, serve's clean stop, and the OpenAI server tests against
+# `serve --tensor-parallel-size 3` (README, "Contributing"). The tiny model's TP tests run in `make test`.
+test-tp: setup
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 MINILLM_TEST_SERVER_ARGS="--tensor-parallel-size 3" \
+		$(PY) -m pytest -p no:xdist tests/tp_smollm2.py tests/test_server.py
 
 # The nbgrader test over every chapter, capstone included, each graded twice (the fast `make test` grades 00, 02, 10).
 test-classroom: classroom

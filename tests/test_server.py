@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import socket
 import struct
 import subprocess
@@ -52,8 +53,10 @@ def server():
     """A server running in a subprocess for this module."""
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # make test-tp runs this module against `--tensor-parallel-size 3` (MINILLM_TEST_SERVER_ARGS).
     cmd = [sys.executable, "-m", "minillm.entrypoints.openai.api_server", "--port", str(port),
-           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--uvicorn-log-level", "warning"]
+           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--uvicorn-log-level", "warning",
+           *shlex.split(os.environ.get("MINILLM_TEST_SERVER_ARGS", ""))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     http = httpx.Client(base_url=base, timeout=120)

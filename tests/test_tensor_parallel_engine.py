@@ -2,8 +2,8 @@
 
 Tokens: the tiny model's workload (chunked prefill, prefix hits, a forced preemption, stop ids, seeded sampling) at
 tp = 2 and 4 (4 ranks share 2 KV heads: each head replicated on 2 ranks) equals the one-process engine's, with
-async scheduling on and off; SmolLM2 at tp = 3 through ``LLM`` (its engine-core process, async scheduling) equals
-tp = 1 on the oracle prompts, and tp = 2 is refused with vLLM's message.
+async scheduling on and off; SmolLM2 on 2 ranks is refused with vLLM's message. SmolLM2 served on 3 ranks is
+``tests/tp_smollm2.py``'s (``make test-tp``).
 
 Each rank caches only its KV heads, and a memory budget buys tp times the blocks while ranks do not outnumber the KV
 heads. Faults: a rank killed mid-generate gives ``EngineDeadError`` naming it within 10 s, a rank stuck (SIGSTOP)
@@ -85,32 +85,6 @@ def test_a_memory_budget_buys_tp_times_the_blocks_while_ranks_split_the_kv_heads
     assert blocks[2] == budget // bytes_per_block
 
 
-def test_smollm2_at_tp3_gives_the_tokens_of_one_process():
-    import minillm
-    from minillm import LLM
-    from tests.prompts import CHAT_PROMPTS, PLAIN_PROMPTS
-
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    one = LLM(max_model_len=512)
-    try:
-        prompts = PLAIN_PROMPTS + [minillm.chat_prompt_ids(one.get_tokenizer(), q) for q in CHAT_PROMPTS]
-        want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
-        paris = one.get_tokenizer().decode(want[len(PLAIN_PROMPTS)])
-    finally:
-        one.shutdown()
-    assert "Paris" in paris
-    llm = LLM(max_model_len=512, tensor_parallel_size=3, max_num_batched_tokens=32)  # chunked prefill
-    try:
-        core = psutil.Process(llm.llm_engine.engine_core.proc.pid)
-        ranks = [p for p in core.children() if "multiprocessing" in " ".join(p.cmdline())]
-        assert len(ranks) == 3, [p.cmdline() for p in core.children()]
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        again = [o.outputs[0].token_ids for o in llm.generate(prompts[-2:], params, use_tqdm=False)]
-    finally:
-        llm.shutdown()
-    assert got == want
-    assert again == want[-2:]  # prefix-cache hits (the chat template's system prompt) on every rank's cache
-    assert all(wait_gone(p.pid) for p in ranks)
 
 
 def test_smollm2_on_2_ranks_is_refused_with_vllms_message():
@@ -188,3 +162,17 @@ def test_no_rank_outlives_del_or_shutdown():
     assert all(wait_gone(pid) for pid in pids)
     with pytest.raises(EngineDeadError, match="shut down"):
         eng.model_executor.collective_rpc("describe")
+
+
+def test_the_benchmark_counts_what_the_formula_says():
+    """bench/tensor_parallel.py on the tiny model: every rank all-reduced exactly the formula's bytes, in one call
+    per all-reduce of every step, and the tokens equal one process's."""
+    from minillm.course.benchmarks.tensor_parallel import run_one
+
+    model = tiny_model()
+    prompts = [list(range(1, 9 + 3 * i)) for i in range(4)]
+    one, two = (run_one(model, None, tp, prompts, max_tokens=5, rpc_rounds=5) for tp in (1, 2))
+    assert two["tokens"] == one["tokens"] and len(one["tokens"]) == 4
+    assert two["all_reduce_bytes_per_rank"] == [two["expected_all_reduce_bytes"]] * 2
+    assert two["all_reduces_per_rank"] == [two["expected_all_reduces"]] * 2
+    assert two["plan_bytes_max"] >= two["plan_bytes_mean"] > 0 and two["rpc_round_trip_us"] > 0

@@ -1,12 +1,13 @@
 """Tensor parallelism inside the engine: ``tensor_parallel_size=N`` serves requests on N worker processes.
 
-Tokens: the tiny model's workload (chunked prefill, prefix hits, a forced preemption, stop ids, seeded sampling) at
-tp = 2 and 4 (4 ranks share 2 KV heads: each head replicated on 2 ranks) equals the one-process engine's, with
-async scheduling on and off; SmolLM2 on 2 ranks is refused with vLLM's message. SmolLM2 served on 3 ranks is
+Tokens: the tiny model's workload (chunked prefill, prefix hits, a forced preemption, stop ids, seeded sampling,
+n-gram drafts) at tp = 2 and 4 (4 ranks share 2 KV heads: each head replicated on 2 ranks) equals the one-process
+engine's, with async scheduling on and off; SmolLM2 on 2 ranks is refused with vLLM's message. SmolLM2 served on 3 ranks is
 ``tests/tp_smollm2.py``'s (``make test-tp``).
 
 Each rank caches only its KV heads, and a memory budget buys tp times the blocks while ranks do not outnumber the KV
-heads. Faults: a rank killed mid-generate gives ``EngineDeadError`` naming it within 10 s, a rank stuck (SIGSTOP)
+heads. Faults: a rank killed mid-generate gives ``EngineDeadError`` naming it within 10 s (in this process, and
+through the engine-core process whose children the ranks are), a rank stuck (SIGSTOP)
 fails the step with a timeout that names the collective, and no process is left behind (``psutil``).
 """
 from __future__ import annotations
@@ -43,13 +44,17 @@ def rank_pids(eng: LLMEngine) -> list[int]:
     return [p.pid for p in eng.model_executor.procs]
 
 
-@pytest.mark.parametrize("tp, config, async_scheduling", [
-    (2, "chunks of 5, block 4", False),
-    (2, "tight cache: preemption", True),
-    (4, "tight cache: preemption", False),
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("tp, config, async_scheduling, drafts", [
+    (2, "chunks of 5, block 4", False, False),
+    (2, "chunks of 5, block 4", False, True),
+    (2, "tight cache: preemption", True, False),
+    (4, "tight cache: preemption", False, False),
 ])
-def test_ranks_give_the_one_process_tokens(tp, config, async_scheduling):
-    args = CONFIGS[config]
+def test_ranks_give_the_one_process_tokens(tp, config, async_scheduling, drafts):
+    args = dict(CONFIGS[config], speculative_config=NGRAM) if drafts else CONFIGS[config]
     requests = workload(seed=3, seeded_sampling=True)
     want = run(engine(1, async_scheduling, **args), requests)
     eng = engine(tp, async_scheduling, **args)
@@ -125,6 +130,36 @@ def test_a_killed_rank_gives_engine_dead_error_naming_it_within_10_seconds():
     finally:
         eng.shutdown()
     assert all(wait_gone(pid) for pid in pids)
+
+
+def test_a_killed_rank_reaches_llm_through_the_engine_core_process():
+    """The ranks are children of the engine-core process: a dead one ends the core, and the caller hears which."""
+    eng = LLMEngine(tiny_model(), None, EngineArgs(tensor_parallel_size=2, block_size=4, num_gpu_blocks=200,
+                                                   max_num_batched_tokens=64), multiprocess_mode=True)
+    core = psutil.Process(eng.engine_core.proc.pid)
+    ranks = [p for p in core.children() if p.name() != "resource_tracker"
+             and "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(ranks) == 2, [p.cmdline() for p in core.children()]
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    killed_at: list[float] = []
+
+    def kill_soon():
+        time.sleep(0.5)
+        killed_at.append(time.monotonic())
+        ranks[1].kill()
+
+    threading.Thread(target=kill_soon, daemon=True).start()
+    try:
+        with pytest.raises(EngineDeadError, match=r"tensor-parallel worker rank \d \(pid \d+\) died with exit code -9"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                eng.add_request(f"r{time.monotonic_ns()}", list(range(1, 40)), long)
+                while eng.has_unfinished_requests():
+                    eng.step()
+        assert time.monotonic() - killed_at[0] < 10.0
+    finally:
+        eng.shutdown()
+    assert all(wait_gone(p.pid) for p in [core, *ranks])
 
 
 def test_a_rank_stuck_in_a_collective_times_out_with_a_clear_error():

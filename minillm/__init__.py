@@ -15,7 +15,8 @@ The engine's spine, in the order a request meets it (each module names its vLLM 
     engine/core.py                              EngineCore: schedule, execute, update         (its own process)
     core/sched/scheduler.py, async_scheduler.py which requests run, how many tokens each
     core/kv_cache_manager.py, core/block_pool.py  the paged KV cache's blocks
-    executor/                                   runs a step on the worker(s)
+    executor/                                   UniProcExecutor | MultiprocExecutor (a process per TP rank)
+    worker/worker.py                            one rank: its shard of the model, its share of the KV cache
     worker/model_runner.py, worker/input_batch.py the persistent batch -> one flat batch -> model -> sampler
     model/, attention/, sample/                 the Llama model, paged attention, sampling
 

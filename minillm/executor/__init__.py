@@ -1,12 +1,14 @@
 """Executors: how the engine core runs a step on its worker(s).
 
 :class:`~minillm.executor.abstract.Executor` is the interface the engine core calls;
-:class:`~minillm.executor.uniproc_executor.UniProcExecutor` runs one model runner in the engine core's own process,
-on a thread of its own when asked not to block (async scheduling).
+:class:`~minillm.executor.uniproc_executor.UniProcExecutor` runs one worker in the engine core's own process,
+on a thread of its own when asked not to block (async scheduling);
+:class:`~minillm.executor.multiproc_executor.MultiprocExecutor` runs one worker process per tensor-parallel rank.
 
 vLLM counterpart: ``vllm/v1/executor/`` (``abstract.py``, ``uniproc_executor.py``, ``multiproc_executor.py``).
 """
 from minillm.executor.abstract import Executor
+from minillm.executor.multiproc_executor import MultiprocExecutor
 from minillm.executor.uniproc_executor import UniProcExecutor
 
-__all__ = ["Executor", "UniProcExecutor"]
+__all__ = ["Executor", "MultiprocExecutor", "UniProcExecutor"]

@@ -22,6 +22,10 @@ shared-memory ring buffer for the ranks on its own node and a ZeroMQ ``XPUB`` so
 which matters for a GPU's microsecond steps, not for a CPU step of tens of milliseconds. The messages are pickled,
 as ``MessageQueue`` pickles them: they go only to this engine's own child processes, over sockets only they can open.
 
+Not to be confused with chapters 7 and 9's :class:`minillm.distributed.launcher.MultiprocExecutor`, which runs
+one-off jobs (a context-parallel or tensor-parallel prefill of one prompt) on ranks that each hold the full model;
+this one is the engine's, stepping every request on ranks that each hold a shard.
+
 vLLM counterpart: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``: ``collective_rpc`` with
 ``unique_reply_rank``, ``execute_model``, ``output_rank``, ``check_health``, the worker monitor, ``WorkerProc``
 and its busy loop).

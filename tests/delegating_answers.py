@@ -251,6 +251,23 @@ class PlaceholderScheduler(AsyncScheduler):
     def _update_request_with_output(self, request, new_token_ids):
         return super()._update_request_with_output(request, new_token_ids)
 ''',
+    "10.3": '''
+from minillm.engine.arg_utils import EngineArgs
+from minillm.model.parallel_layers import num_kv_heads_per_rank
+
+
+def kv_heads_of_rank(num_kv_heads, tp_size, rank):
+    per_rank = num_kv_heads_per_rank(num_kv_heads, tp_size)
+    first = rank // max(1, tp_size // num_kv_heads) * per_rank
+    return list(range(first, first + per_rank))
+
+
+def num_blocks_per_rank(config, block_size, dtype_bytes, tp_size, budget_bytes):
+    dtype = {4: torch.float32, 2: torch.bfloat16}[dtype_bytes]
+    args = EngineArgs(kv_cache_memory_bytes=budget_bytes, block_size=block_size, tensor_parallel_size=tp_size,
+                      dtype=dtype, device="cpu")
+    return args.resolved_num_gpu_blocks(config, config.max_position_embeddings, dtype)
+''',
 }
 
 

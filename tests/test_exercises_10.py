@@ -5,7 +5,9 @@ Each test runs the solution notebook up to one check cell (tests/exercise_helper
 function or class in place of the learner's, and asserts that the check fails with an AssertionError that names the
 mistake. The wrong answers of 10.1 are the solution's cell with one edit (tests/exercise_helpers.mutated), so they stay
 in step with it. The notebook runs on the tiny model: a run up to a check takes about a second. The engine core's
-acceptance of a learner's scheduler under async scheduling is tested in tests/test_engine_core.py.
+acceptance of a learner's scheduler under async scheduling is tested in tests/test_engine_core.py. The wrong answers of
+10.3 (the per-rank KV cache) are the solution's cell with one edit; its references are tested against the package's
+QKVParallelLinear, shard_summary, num_kv_heads_per_rank and the tensor-parallel model's layers.
 
 Challenge 10 (reorder the persistent batch, minillm/course/exercises/challenges/ch10.py): its check runs after the set-up cell
 alone; its wrong answers are the solution's cell with one edit or short functions written here (ids moved without
@@ -315,6 +317,178 @@ def test_10_2_the_stub_fails_with_not_implemented():
     answer = exercise_source(SOLUTION, "10.2")
     stubbed = re.sub(r"### BEGIN SOLUTION.*?### END SOLUTION", "raise NotImplementedError('10.2')", answer, flags=re.S)
     error = run_check_with_answer(SOLUTION, "10.2", stubbed)
+    assert isinstance(error, NotImplementedError), repr(error)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Exercise 10.3: each rank's share of the KV cache
+
+HEADER_10_3 = "import torch\nfrom minillm.config import LlamaConfig\n"
+_HEADS_SPLIT = "    if tp_size <= num_kv_heads:   # enough heads to split: an equal run of consecutive ones per rank\n"
+_REPLICA = "    return [rank // replicas]\n"
+_RANGE = "        return list(range(rank * per_rank, (rank + 1) * per_rank))\n"
+_HEADS = "    heads = len(kv_heads_of_rank(config.num_key_value_heads, tp_size, 0))   # every rank holds as many\n"
+_BLOCK = "    block_bytes = block_size * 2 * config.num_hidden_layers * heads * config.head_dim * dtype_bytes\n"
+_RETURN = "    return budget_bytes // block_bytes   #"
+
+
+def _wrong_10_3(*edits: tuple[str, str]) -> dict:
+    """The solution's two functions with ``edits`` applied to the cell; the blocks' function calls the edited heads'."""
+    kv = mutated(SOLUTION, "10.3", "kv_heads_of_rank", *edits, header=HEADER_10_3)
+    return {"kv_heads_of_rank": kv, "num_blocks_per_rank": kv.__globals__["num_blocks_per_rank"]}
+
+
+WRONG_10_3 = {
+    # The heads
+    "splits the heads although ranks outnumber them": (
+        ((_HEADS_SPLIT, "    if True:\n"),),
+        ("kv_heads_of_rank(num_kv_heads=1, tp_size=2, rank=0) returns [], expected [0]", "gets no KV head",
+         "ranks outnumber KV heads", "replicated")),
+    "gives rank r head r when ranks outnumber the heads": (
+        ((_REPLICA, "    return [rank]\n"),),
+        ("returns [1], expected [0]", "the model has only KV heads 0..0", "replicated")),
+    "rank % num_kv_heads": (
+        ((_REPLICA, "    return [rank % num_kv_heads]\n"),),
+        ("kv_heads_of_rank(num_kv_heads=2, tp_size=4, rank=1) returns [1], expected [0]",
+         "that is rank % num_kv_heads", "Neighbouring ranks must share a head", "tp_rank // num_kv_head_replicas")),
+    "every KV head on every rank": (
+        ((_RANGE, "        return list(range(num_kv_heads))\n"),),
+        ("kv_heads_of_rank(num_kv_heads=2, tp_size=2, rank=0) returns [0, 1], expected [0]",
+         "the tp_size=1 answer")),
+    "a strided split": (
+        ((_RANGE, "        return list(range(rank, num_kv_heads, tp_size))\n"),),
+        ("returns [0, 2], expected [0, 1]", "strided split", "consecutive")),
+    "the heads as a tensor": (
+        ((_RANGE, "        return torch.arange(rank * per_rank, (rank + 1) * per_rank)\n"),),
+        ("returns a Tensor", "return a list of Python ints")),
+    # The blocks
+    "divides the budget by tp_size": (
+        ((_RETURN, "    return budget_bytes // tp_size // block_bytes   #"),),
+        ("tp_size=32, budget_bytes=100,012,345) returns 5, expected 190", "it divides the budget by tp_size",
+         "one rank's own", "per GPU")),
+    "K only": (
+        ((_BLOCK, _BLOCK.replace("block_size * 2 *", "block_size *")),),
+        ("returns 381, expected 190", "it counts only K (or only V)", "hence the factor 2")),
+    "all KV heads in a rank's block": (
+        ((_HEADS, "    heads = config.num_key_value_heads\n"),),
+        ("returns 23, expected 190", "it counts all KV heads in a rank's block", "the tp_size=1 answer",
+         "1 of a Llama-3-8B-shaped config's 8 at tp_size=32")),
+    "rounds up": (
+        ((_RETURN, "    return -(-budget_bytes // block_bytes)   #"),),
+        ("returns 191, expected 190", "it rounds up", "rounded down")),
+    "no head when ranks outnumber them": (
+        ((_HEADS, "    heads = config.num_key_value_heads // tp_size\n"),),
+        ("tp_size=32", "raised ZeroDivisionError", "ranks outnumber KV heads here (32 > 8)",
+         "one whole (replicated) head")),
+    "a fraction of a replicated head": (
+        ((_HEADS, "    heads = config.num_key_value_heads / tp_size\n"),
+         (_RETURN, "    return int(budget_bytes // block_bytes)   #")),
+        ("returns 763, expected 190", "it counts a fraction of a KV head per rank", "8/32 here")),
+    "the blocks as a float": (
+        ((_RETURN, "    return budget_bytes / block_bytes   #"),),
+        ("returns a float", "use `//`")),
+    "two mistakes at once": (
+        ((_RETURN, "    return -(-budget_bytes // tp_size // block_bytes)   #"),),
+        ("returns 6, expected 190", "a rank holds 1 KV head(s) here", "524,288 bytes")),
+}
+
+
+def test_10_3_solution_passes():
+    assert run_check(SOLUTION, "10.3") is None
+
+
+@pytest.mark.parametrize("mistake", sorted(WRONG_10_3))
+def test_10_3_mistakes_are_named(mistake):
+    edits, phrases = WRONG_10_3[mistake]
+    _assert_caught(run_check(SOLUTION, "10.3", **_wrong_10_3(*edits)), *phrases)
+
+
+def test_10_3_the_blocks_are_checked_with_the_learners_own_heads_too():
+    """A right num_blocks_per_rank beside a wrong kv_heads_of_rank still fails, at the heads (checked first)."""
+    answers = _wrong_10_3((_REPLICA, "    return [rank % num_kv_heads]\n"))
+    from minillm.course.exercises.ch10 import check_kv_per_rank
+
+    with pytest.raises(AssertionError, match=r"that is rank % num_kv_heads"):
+        check_kv_per_rank(answers["kv_heads_of_rank"], answers["num_blocks_per_rank"], verbose=False)
+
+
+def test_10_3_a_crash_names_the_split():
+    def crashes(num_kv_heads, tp_size, rank):
+        return [list(range(num_kv_heads))[rank]]
+
+    _assert_caught(run_check(SOLUTION, "10.3", kv_heads_of_rank=crashes),
+                   "kv_heads_of_rank(num_kv_heads=1, tp_size=2, rank=1) raised IndexError",
+                   "each head is replicated on 2 ranks")
+
+
+def test_10_3_delegating_through_the_layer_or_the_summary_fails():
+    def through_the_layer(num_kv_heads, tp_size, rank):
+        import torch
+
+        from minillm.model.parallel_layers import QKVParallelLinear
+
+        w = torch.zeros(num_kv_heads * tp_size, 1)
+        kv = torch.zeros(num_kv_heads, 1)
+        return QKVParallelLinear(w, kv, kv, num_kv_heads * tp_size, num_kv_heads, 1, rank, tp_size).kv_heads
+
+    def through_the_summary(num_kv_heads, tp_size, rank):
+        from minillm.config import LlamaConfig
+        from minillm.model.llama_tp import shard_summary
+
+        config = LlamaConfig(num_attention_heads=num_kv_heads * tp_size, num_key_value_heads=num_kv_heads,
+                             hidden_size=num_kv_heads * tp_size * 64, intermediate_size=64 * tp_size, vocab_size=64)
+        return shard_summary(config, tp_size)[rank].kv_heads
+
+    for answer, target in ((through_the_layer, "QKVParallelLinear.__init__"), (through_the_summary, "shard_summary")):
+        _assert_caught(run_check(SOLUTION, "10.3", kv_heads_of_rank=answer),
+                       "Exercise 10.3 asks you to write this yourself", target)
+
+
+def test_10_3_the_references_are_the_packages_and_cover_every_case():
+    """reference_kv_heads is QKVParallelLinear's choice on the models' own head shapes, and agrees with
+    num_kv_heads_per_rank for SmolLM2's 3 KV heads at tp 1, 3, 9 and the tiny model's 2 at 1, 2, 4; with shard_summary
+    and the tensor-parallel model's layers where the whole model splits (SmolLM2's 1,536 MLP features do not split
+    over 9 ranks); reference_num_blocks is the formula of the statement; the cases hold every kind the mistakes
+    need."""
+    import torch
+
+    from minillm.course.exercises.ch10.kv_per_rank import (CONFIGS, SMOLLM2_CONFIG, block_cases, head_cases,
+                                                          reference_kv_heads, reference_num_blocks, tp_sizes_of)
+    from minillm.course.exercises.ch10.tiny import TINY_CONFIG, tiny_llama
+    from minillm.model.llama_tp import TensorParallelLlamaForCausalLM, shard_summary
+    from minillm.model.parallel_layers import QKVParallelLinear, num_kv_heads_per_rank
+
+    assert tp_sizes_of(SMOLLM2_CONFIG) == [1, 3] and tp_sizes_of(TINY_CONFIG) == [1, 2, 4]
+    for config, sizes in ((SMOLLM2_CONFIG, (1, 3, 9)), (TINY_CONFIG, (1, 2, 4))):
+        nkv, d = config.num_key_value_heads, config.head_dim
+        q, kv = torch.zeros(config.num_attention_heads * d, 1), torch.zeros(nkv * d, 1)
+        for tp in sizes:
+            shards = shard_summary(config, tp) if tp in tp_sizes_of(config) else None
+            for rank in range(tp):
+                heads = reference_kv_heads(nkv, tp, rank)
+                layer = QKVParallelLinear(q, kv, kv, config.num_attention_heads, nkv, d, rank, tp)
+                assert heads == layer.kv_heads and len(heads) == num_kv_heads_per_rank(nkv, tp)
+                assert shards is None or heads == shards[rank].kv_heads
+    model = tiny_llama()
+    for tp in (2, 4):
+        for rank in range(tp):
+            shard = TensorParallelLlamaForCausalLM(model, tp_rank=rank, tp_size=tp)
+            assert shard.model.layers[0].self_attn.qkv_proj.kv_heads == reference_kv_heads(2, tp, rank)
+    for name, block_size, dtype_bytes, tp, budget in block_cases():
+        c = CONFIGS[name]
+        heads = len(reference_kv_heads(c.num_key_value_heads, tp, 0))
+        block = block_size * 2 * c.num_hidden_layers * heads * c.head_dim * dtype_bytes
+        assert reference_num_blocks(c, block_size, dtype_bytes, tp, budget) == budget // block
+    cases = head_cases()
+    assert any(tp > nkv >= 2 for nkv, tp, _ in cases) and any(nkv // tp >= 2 and tp > 1 for nkv, tp, _ in cases)
+    blocks = block_cases()
+    assert any(tp > CONFIGS[n].num_key_value_heads for n, _, _, tp, _ in blocks) and len(blocks) == 176
+
+
+def test_10_3_the_stub_fails_with_not_implemented():
+    answer = exercise_source(SOLUTION, "10.3")
+    stubbed = re.sub(r"### BEGIN SOLUTION.*?### END SOLUTION", "raise NotImplementedError('10.3')", answer, flags=re.S)
+    error = run_check_with_answer(SOLUTION, "10.3", stubbed)
     assert isinstance(error, NotImplementedError), repr(error)
 
 
@@ -635,19 +809,21 @@ def test_the_exercises_have_a_heading_a_two_step_hint_and_a_check():
         assert cells[i + 1].source.startswith(f"# Check {kind}")
         # The check functions run the answer under the tripwire themselves (minillm/course/exercises/ch10, challenges/ch10).
         assert {"10.1": "check_update_states(update_states, ", "10.2": "check_placeholder_scheduler("
-                "PlaceholderScheduler, ", "C10": "check_reorder_batch(reorder_batch_to_split_decodes_and_prefills, "
+                "PlaceholderScheduler, ", "10.3": "check_kv_per_rank(kv_heads_of_rank, num_blocks_per_rank)",
+                "C10": "check_reorder_batch(reorder_batch_to_split_decodes_and_prefills, "
                 }[number] in cells[i + 1].source
         found.append((number, stars))
-    assert found == [("10.1", "★★"), ("10.2", "★★"), ("C10", "★★★")]
+    assert found == [("10.1", "★★"), ("10.2", "★★"), ("10.3", "★★"), ("C10", "★★★")]
     intro = cells[0].source
-    assert re.search(r"Run time: about [\d.]+ (s|min) on a 2-core CPU", intro) and "Points: 4 " in intro
-    for number, stars in found[:2]:
+    assert re.search(r"Run time: about [\d.]+ (s|min) on a 2-core CPU", intro) and "Points: 6 " in intro
+    for number, stars in found[:3]:
         assert f"**Exercise {number} {stars}**" in intro
     assert "**Challenge 10 ★★★** (extra credit)" in intro and "**挑战 10 ★★★**" in intro
 
 
 ANSWER_FRAGMENTS = {"10.1": ("state.block_ids.extend", "batch.block_table.append_row(", "to_add", "getsource"),
                     "10.2": ("num_output_placeholders += 1", "num_output_placeholders -= ", "getsource"),
+                    "10.3": ("rank // replicas", "budget_bytes // block_bytes", "per_rank = ", "getsource"),
                     "C10": ("dest[start] = dest[d]", "goes_to[dest]", "np.argsort(regions", "getsource")}
 
 

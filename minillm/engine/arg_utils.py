@@ -25,6 +25,7 @@ import torch
 
 from minillm.attention.paged import BACKENDS
 from minillm.config import SCHEDULING_POLICIES, KVTransferConfig, LlamaConfig, SchedulerConfig
+from minillm.model.llama_tp import check_tensor_parallel_config
 from minillm.model.parallel_layers import num_kv_heads_per_rank
 from minillm.platforms.cpu import DtypeChoice
 from minillm.platforms.dtype import parse_dtype, resolve_dtype  # noqa: F401 (re-exported)
@@ -135,7 +136,8 @@ class EngineArgs:
         tensor_parallel_size: ranks (worker processes) the model is split over, Megatron-style (chapter 10); 1: the
             whole model in the engine core's process. Each rank caches only its KV heads, so a memory budget holds
             ``tensor_parallel_size`` times the blocks while ranks do not outnumber the KV heads. CPU only here
-            (gloo); the model must split (SmolLM2: 1, 3 or 9), else vLLM's error.
+            (gloo); the model must split, else vLLM's error: SmolLM2 runs on 1 or 3 (9 would split its 9 heads but
+            not its 1,536 MLP features).
     """
 
     model: str | None = None
@@ -307,6 +309,8 @@ class EngineArgs:
         """
         if self.num_gpu_blocks is not None:
             return self.num_gpu_blocks
+        if self.tensor_parallel_size > 1:
+            check_tensor_parallel_config(model_config, self.tensor_parallel_size)  # no count for a split that can't be
         dtype_bytes = torch.empty((), dtype=kv_cache_dtype or self.resolved_dtype()).element_size()
         # Per rank: a tensor-parallel rank caches only its KV heads, and the budget is each rank's.
         kv_heads = num_kv_heads_per_rank(model_config.num_key_value_heads, self.tensor_parallel_size)

@@ -45,8 +45,8 @@ import torch
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
-from minillm.engine import (EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, EngineStats, SchedulerStats,
-                            UtilityOutput)
+from minillm.engine import (EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, EngineDeadError, EngineStats,
+                            SchedulerStats, UtilityOutput)
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.parts import EngineParts
 from minillm.executor.abstract import Executor
@@ -183,7 +183,10 @@ class EngineCore:
         them when the next step's ``finished_req_ids`` reach it; with no step in flight it is told at once."""
         self.scheduler.finish_requests(request_ids, status)
         if not self.batch_queue and request_ids:  # no step in flight reads the runner's states (always when sync)
-            self.model_executor.collective_rpc("remove_requests", (request_ids,))
+            try:
+                self.model_executor.collective_rpc("remove_requests", (request_ids,))
+            except EngineDeadError:
+                pass  # the ranks are gone, and their states with them; the next step says so
 
     def has_requests(self) -> bool:
         """Work left: requests in the scheduler (or K/V still being sent), or steps in flight."""

@@ -172,7 +172,8 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self._threads += [
-            threading.Thread(target=_read_responses, args=(responses, self._calls), name="minillm-tp-responses",
+            threading.Thread(target=_read_responses, args=(responses, self._calls, list(self.procs)),
+                         name="minillm-tp-responses",
                              daemon=True),
             threading.Thread(target=_monitor_workers, args=(list(self.procs), self._calls), name="minillm-tp-monitor",
                              daemon=True)]
@@ -274,7 +275,18 @@ def _wait_until_ready(broadcast: Any, responses: Any, procs: list, timeout_s: fl
     return [ready[r] for r in range(len(procs))]
 
 
-def _read_responses(responses: Any, calls: _Calls) -> None:
+def _dead_rank(procs: list, wait_s: float) -> str | None:
+    """Why a rank is dead, if one dies within ``wait_s`` (``None`` if every rank lives on)."""
+    sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
+    died = wait_for_sentinels(list(sentinels), timeout=wait_s)
+    if not died:
+        return None
+    rank = sentinels[died[0]]
+    procs[rank].join(timeout=1)  # reaped, so the exit code is known
+    return f"tensor-parallel worker rank {rank} (pid {procs[rank].pid}) died with exit code {procs[rank].exitcode}"
+
+
+def _read_responses(responses: Any, calls: _Calls, procs: list) -> None:
     """The response thread: match each rank's answer to its call; a rank's error fails the executor."""
     import zmq
 
@@ -285,13 +297,15 @@ def _read_responses(responses: Any, calls: _Calls) -> None:
             call_id, rank, ok, payload = pickle.loads(responses.recv())
         except zmq.ZMQError:
             return  # the socket was closed: shutting down
+        # A rank that dies mid-step shows first as a broken collective on its live peers: name the dead one.
+        death = None if ok else _dead_rank(procs, wait_s=1.0)
         with calls.lock:
             call = calls.pending.get(call_id)
             if call is None:
                 continue  # a call that already failed
             if not ok:
                 # A rank's error ends the executor: its peers are left mid-collective, no later step can run.
-                calls.fail(f"tensor-parallel worker rank {rank} failed: {payload}")
+                calls.fail(death or f"tensor-parallel worker rank {rank} failed: {payload}")
                 continue
             call.results[rank] = payload
             if len(call.results) == len(call.reply_ranks):
@@ -302,15 +316,11 @@ def _read_responses(responses: Any, calls: _Calls) -> None:
 def _monitor_workers(procs: list, calls: _Calls) -> None:
     """The monitor thread: a rank that dies, or a call past its deadline, fails every call (vLLM's
     ``MultiprocExecutor.start_worker_monitor``)."""
-    sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
     while not calls.stop.is_set():
-        died = wait_for_sentinels(list(sentinels), timeout=0.2)
-        if died and not calls.stop.is_set():
-            rank = sentinels[died[0]]
-            proc = procs[rank]
-            proc.join(timeout=1)  # reaped, so the exit code is known
+        death = _dead_rank(procs, wait_s=0.2)
+        if death is not None and not calls.stop.is_set():
             with calls.lock:
-                calls.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
+                calls.fail(death)
             return
         now = time.monotonic()
         with calls.lock:

@@ -86,6 +86,9 @@ BUILDS: dict[str, tuple[str, ...]] = {
     "10.1": ("minillm.worker.model_runner:ModelRunner._update_states",),
     "10.2": ("minillm.core.sched.async_scheduler:AsyncScheduler._update_after_schedule",
              "minillm.core.sched.async_scheduler:AsyncScheduler._update_request_with_output"),
+    "10.3": ("minillm.model.parallel_layers:num_kv_heads_per_rank",
+             "minillm.model.parallel_layers:QKVParallelLinear.__init__", "minillm.model.llama_tp:shard_summary",
+             "minillm.engine.arg_utils:EngineArgs.resolved_num_gpu_blocks"),
 }
 
 # Where copies of a function's name are looked for, besides the learner's namespaces.

@@ -8,18 +8,26 @@
   scheduling runs the learner's ``Scheduler`` subclass in lockstep with one running the package's
   ``AsyncScheduler``; every schedule and every update must leave the same ``num_output_placeholders``, and the
   tokens must be the synchronous engine's (:mod:`minillm.course.exercises.ch10.placeholders`).
+- :func:`check_kv_per_rank` (exercise 10.3, the per-rank KV cache): the learner's ``kv_heads_of_rank`` against
+  ``QKVParallelLinear``'s ``kv_heads`` for every rank of every valid split, and ``num_blocks_per_rank`` against
+  ``EngineArgs.resolved_num_gpu_blocks`` on three configs at every tensor-parallel size they allow
+  (:mod:`minillm.course.exercises.ch10.kv_per_rank`).
 
-Both run the learner's code through :func:`~minillm.course.exercises.tripwire.guard`, so an answer that calls the package's
-own implementation of the part fails with a :class:`~minillm.course.exercises.tripwire.DelegationError`; the references
-run outside it. Each raises ``AssertionError`` at the first difference, saying what differs and, for the usual
-mistakes, why.
+All three run the learner's code through :func:`~minillm.course.exercises.tripwire.guard`, so an answer that calls the
+package's own implementation of the part fails with a :class:`~minillm.course.exercises.tripwire.DelegationError`;
+the references run outside it. Each raises ``AssertionError`` at the first difference, saying what differs and, for
+the usual mistakes, why.
 
 vLLM has no such checks; the parts they check are ``vllm/v1/worker/gpu_model_runner.py:GPUModelRunner._update_states``
 and ``vllm/v1/core/sched/async_scheduler.py:AsyncScheduler._update_after_schedule`` (with the placeholder term of
-``vllm/v1/core/sched/scheduler.py:Scheduler._update_request_with_output``).
+``vllm/v1/core/sched/scheduler.py:Scheduler._update_request_with_output``), and for 10.3
+``vllm/config/model.py:ModelConfig.get_num_kv_heads``, ``vllm/model_executor/layers/linear.py:QKVParallelLinear`` and
+``vllm/v1/worker/gpu_worker.py:Worker.determine_available_memory``.
 """
+from minillm.course.exercises.ch10.kv_per_rank import check_kv_per_rank
 from minillm.course.exercises.ch10.persistent_batch import check_update_states, record_plans
 from minillm.course.exercises.ch10.placeholders import check_placeholder_scheduler
 from minillm.course.exercises.ch10.tiny import TINY_CONFIG, tiny_llama
 
-__all__ = ["TINY_CONFIG", "check_placeholder_scheduler", "check_update_states", "record_plans", "tiny_llama"]
+__all__ = ["TINY_CONFIG", "check_kv_per_rank", "check_placeholder_scheduler", "check_update_states", "record_plans",
+           "tiny_llama"]

@@ -53,7 +53,10 @@ class AsyncLLMStats:
         num_blocks: KV cache blocks, the reserved null block included (0 if the engine has no KV cache manager).
         num_free_blocks: blocks that can be allocated now (free or evictable prefix-cache blocks).
         kv_cache_usage: fraction of usable blocks held by requests, in ``[0, 1]``.
-        num_unfinished_requests: requests the engine still holds (waiting or running).
+        num_unfinished_requests: requests the engine still holds (waiting or running): with the engine core in its
+            own process, the front end's or the core's, whichever is more (the core's count comes in the same
+            snapshot as its blocks, so 0 there means its blocks are free; the front end's covers requests on their
+            way to it).
         num_requests_total / num_finished / num_aborted: counters since start.
         num_steps: ``engine.step()`` calls so far.
     """
@@ -437,7 +440,8 @@ class AsyncLLM:
             self.stats = AsyncLLMStats(
                 num_blocks=sched.num_blocks, num_free_blocks=sched.num_free_blocks,
                 kv_cache_usage=sched.kv_cache_usage,
-                num_unfinished_requests=self.engine.get_num_unfinished_requests(),
+                num_unfinished_requests=max(self.engine.get_num_unfinished_requests(),
+                                            sched.num_running_reqs + sched.num_waiting_reqs),
                 num_requests_total=self._counts["total"], num_finished=self._counts["finished"],
                 num_aborted=self._counts["aborted"], num_steps=sched.engine.num_steps)
             return

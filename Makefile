@@ -74,7 +74,7 @@ test-tp: setup
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 MINILLM_TEST_SERVER_ARGS="--tensor-parallel-size 3" \
 		$(PY) -m pytest -p no:xdist tests/tp_smollm2.py tests/test_server.py
 
-# The nbgrader test over every chapter, capstone included, each graded twice (the fast `make test` grades 00, 02, 10).
+# The nbgrader test over every chapter, capstone included, each graded twice (the fast `make test` grades 02 and 10).
 test-classroom: classroom
 	MINILLM_NBGRADER_CHAPTERS=all OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -p no:xdist tests/test_nbgrader.py
 

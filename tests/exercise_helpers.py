@@ -45,6 +45,13 @@ def run_check(solution: str | Path, exercise: str, **replace: Any) -> BaseExcept
     return _run_check(solution, exercise, None, replace, skip_exercise_checks=True)
 
 
+def run_check_after_setup(solution: str | Path, exercise: str, **replace: Any) -> BaseException | None:
+    """:func:`run_check` running, of the cells before the exercise, only the set-up cells (``# Environment set-up``
+    first line): for an exercise whose check needs nothing the notebook computed before it (seconds, not a whole
+    notebook's run per test)."""
+    return _run_check(solution, exercise, None, replace, setup_only=True, skip_exercise_checks=True)
+
+
 def run_check_with_answer(solution: str | Path, exercise: str, answer: str,
                           setup_only: bool = False) -> BaseException | None:
     """:func:`run_check` with the exercise's cell replaced by ``answer`` (a cell's source), as a learner hands it

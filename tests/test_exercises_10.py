@@ -31,7 +31,7 @@ from minillm.course.exercises.build import BEGIN
 from minillm.worker.input_batch import InputBatch
 from minillm.worker.model_runner import CachedRequestState
 from tests.exercise_helpers import (CHALLENGE_HEADING, EXERCISE_HEADING, HINT_FORMAT, ROOT, exercise_source, mutated,
-                                    run_challenge, run_check, run_check_with_answer)
+                                    run_challenge, run_check, run_check_after_setup, run_check_with_answer)
 
 SOLUTION = "10_engine_core.ipynb"
 HEADER = """from minillm.core.sched.output import SchedulerOutput
@@ -394,13 +394,13 @@ WRONG_10_3 = {
 
 
 def test_10_3_solution_passes():
-    assert run_check(SOLUTION, "10.3") is None
+    assert run_check_after_setup(SOLUTION, "10.3") is None
 
 
 @pytest.mark.parametrize("mistake", sorted(WRONG_10_3))
 def test_10_3_mistakes_are_named(mistake):
     edits, phrases = WRONG_10_3[mistake]
-    _assert_caught(run_check(SOLUTION, "10.3", **_wrong_10_3(*edits)), *phrases)
+    _assert_caught(run_check_after_setup(SOLUTION, "10.3", **_wrong_10_3(*edits)), *phrases)
 
 
 def test_10_3_the_blocks_are_checked_with_the_learners_own_heads_too():
@@ -416,7 +416,7 @@ def test_10_3_a_crash_names_the_split():
     def crashes(num_kv_heads, tp_size, rank):
         return [list(range(num_kv_heads))[rank]]
 
-    _assert_caught(run_check(SOLUTION, "10.3", kv_heads_of_rank=crashes),
+    _assert_caught(run_check_after_setup(SOLUTION, "10.3", kv_heads_of_rank=crashes),
                    "kv_heads_of_rank(num_kv_heads=1, tp_size=2, rank=1) raised IndexError",
                    "each head is replicated on 2 ranks")
 
@@ -440,7 +440,7 @@ def test_10_3_delegating_through_the_layer_or_the_summary_fails():
         return shard_summary(config, tp_size)[rank].kv_heads
 
     for answer, target in ((through_the_layer, "QKVParallelLinear.__init__"), (through_the_summary, "shard_summary")):
-        _assert_caught(run_check(SOLUTION, "10.3", kv_heads_of_rank=answer),
+        _assert_caught(run_check_after_setup(SOLUTION, "10.3", kv_heads_of_rank=answer),
                        "Exercise 10.3 asks you to write this yourself", target)
 
 
@@ -488,7 +488,7 @@ def test_10_3_the_references_are_the_packages_and_cover_every_case():
 def test_10_3_the_stub_fails_with_not_implemented():
     answer = exercise_source(SOLUTION, "10.3")
     stubbed = re.sub(r"### BEGIN SOLUTION.*?### END SOLUTION", "raise NotImplementedError('10.3')", answer, flags=re.S)
-    error = run_check_with_answer(SOLUTION, "10.3", stubbed)
+    error = run_check_with_answer(SOLUTION, "10.3", stubbed, setup_only=True)
     assert isinstance(error, NotImplementedError), repr(error)
 
 

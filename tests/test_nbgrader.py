@@ -9,7 +9,7 @@
 - A check cell scores pass or fail, whatever it displays; the capstone's hooks put the student's chapter notebooks
   beside it while it is graded; the classroom extra is pinned with everything it pulls in.
 
-Autograding runs the notebooks. ``make test`` grades chapters 00, 02 and 10 (this file: about 2 minutes on a busy
+Autograding runs the notebooks. ``make test`` grades chapters 02 and 10 (this file: about 2 minutes on a busy
 2-core CPU); ``make test-classroom`` grades every chapter, capstone included, twice, and checks that the two runs
 give the same score to every cell (about 16 minutes). ``MINILLM_NBGRADER_CHAPTERS`` chooses: ``all``, or chapter
 numbers / names separated by commas (``00,02``). The tests that run nbgrader skip when it is not installed (the
@@ -34,8 +34,8 @@ from minillm.course.exercises.nbgrader import (SAMPLE_STUDENTS, autograde_post_c
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 STEMS = [p.stem for p in SOLUTIONS]
-# Three quick ones: 02 and 10 load no model (10 has a challenge: extra credit), 00 runs SmolLM2 once.
-FAST_CHAPTERS = ["00_warmup", "02_paged_kv_cache", "10_engine_core"]
+# Two quick ones that load no model (10 has a challenge: extra credit); `make test-classroom` grades every chapter.
+FAST_CHAPTERS = ["02_paged_kv_cache", "10_engine_core"]
 
 
 def _chosen_chapters() -> list[str]:

@@ -79,6 +79,8 @@ class _Calls:
         self.pending: dict[int, _Call] = {}
         self.failure: str | None = None
         self.stop = threading.Event()
+        # Both threads may see a rank die; one reaps it at a time, or the other reads no exit code.
+        self.reap_lock = threading.Lock()
 
     def fail(self, why: str) -> None:
         """Fail every call in flight, and every later one. Call with ``lock`` held."""
@@ -275,14 +277,15 @@ def _wait_until_ready(broadcast: Any, responses: Any, procs: list, timeout_s: fl
     return [ready[r] for r in range(len(procs))]
 
 
-def _dead_rank(procs: list, wait_s: float) -> str | None:
+def _dead_rank(procs: list, wait_s: float, reap_lock: threading.Lock) -> str | None:
     """Why a rank is dead, if one dies within ``wait_s`` (``None`` if every rank lives on)."""
     sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
     died = wait_for_sentinels(list(sentinels), timeout=wait_s)
     if not died:
         return None
     rank = sentinels[died[0]]
-    procs[rank].join(timeout=1)  # reaped, so the exit code is known
+    with reap_lock:
+        procs[rank].join(timeout=1)  # reaped, so the exit code is known
     return f"tensor-parallel worker rank {rank} (pid {procs[rank].pid}) died with exit code {procs[rank].exitcode}"
 
 
@@ -298,7 +301,7 @@ def _read_responses(responses: Any, calls: _Calls, procs: list) -> None:
         except zmq.ZMQError:
             return  # the socket was closed: shutting down
         # A rank that dies mid-step shows first as a broken collective on its live peers: name the dead one.
-        death = None if ok else _dead_rank(procs, wait_s=1.0)
+        death = None if ok else _dead_rank(procs, 1.0, calls.reap_lock)
         with calls.lock:
             call = calls.pending.get(call_id)
             if call is None:
@@ -317,7 +320,7 @@ def _monitor_workers(procs: list, calls: _Calls) -> None:
     """The monitor thread: a rank that dies, or a call past its deadline, fails every call (vLLM's
     ``MultiprocExecutor.start_worker_monitor``)."""
     while not calls.stop.is_set():
-        death = _dead_rank(procs, wait_s=0.2)
+        death = _dead_rank(procs, 0.2, calls.reap_lock)
         if death is not None and not calls.stop.is_set():
             with calls.lock:
                 calls.fail(death)

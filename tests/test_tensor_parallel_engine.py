@@ -69,9 +69,9 @@ def test_ranks_give_the_one_process_tokens(tp, config, async_scheduling, drafts)
     assert got == want
     assert any(p.seed is not None for _, _, _, p, _ in requests)  # seeded sampling was in it
     # Each rank: its query heads, the KV heads they read (replicated when ranks outnumber KV heads), its cache.
-    per_rank = num_kv_heads_per_rank(TINY.num_key_value_heads, tp)
+    kv, per_rank = TINY.num_key_value_heads, num_kv_heads_per_rank(TINY.num_key_value_heads, tp)
     assert [i["query_heads"] for i in info] == [list(range(r * 4 // tp, (r + 1) * 4 // tp)) for r in range(tp)]
-    assert [i["kv_heads"] for i in info] == [[r * TINY.num_key_value_heads // max(tp, 2)] if tp >= 2 and per_rank == 1
+    assert [i["kv_heads"] for i in info] == [[r // (tp // kv)] if tp > kv  # replicated on tp // kv neighbours
                                              else list(range(r * per_rank, (r + 1) * per_rank)) for r in range(tp)]
     assert all(i["kv_cache_shape"] == (args["num_gpu_blocks"], args["block_size"], per_rank, TINY.head_dim)
                for i in info)
@@ -166,9 +166,8 @@ def test_a_rank_stuck_in_a_collective_times_out_with_a_clear_error():
     model = tiny_model()
     args = EngineArgs(block_size=4, num_gpu_blocks=40, max_model_len=64, tensor_parallel_size=2)
     eng = LLMEngine(model, None, args)
-    plan_engine = eng  # the plan of one step, made by the engine's own scheduler
     eng.add_request("a", list(range(1, 20)), SamplingParams(temperature=0.0, max_tokens=4))
-    so = plan_engine.scheduler.schedule()
+    so = eng.scheduler.schedule()  # the plan of one step, made by the engine's own scheduler
     eng.shutdown()
     executor = MultiprocExecutor(model, 2, dict(num_blocks=40, block_size=4, max_model_len=64), timeout_s=3.0)
     pids = [p.pid for p in executor.procs]

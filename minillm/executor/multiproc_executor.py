@@ -66,6 +66,7 @@ class _Call:
     future: Future
     reply_ranks: list[int]
     deadline: float
+    single: bool  # one rank answers (unique_reply_rank): the future gets its result, not a list
     results: dict[int, Any] = field(default_factory=dict)
 
 
@@ -175,8 +176,7 @@ class MultiprocExecutor(Executor):
             raise
         self._threads += [
             threading.Thread(target=_read_responses, args=(responses, self._calls, list(self.procs)),
-                         name="minillm-tp-responses",
-                             daemon=True),
+                             name="minillm-tp-responses", daemon=True),
             threading.Thread(target=_monitor_workers, args=(list(self.procs), self._calls), name="minillm-tp-monitor",
                              daemon=True)]
         for thread in self._threads:
@@ -203,13 +203,9 @@ class MultiprocExecutor(Executor):
             # A rank stuck in a collective gives up after timeout_s and says where; the executor waits a little
             # longer, so that message comes first, before it names the ranks that did not answer at all.
             deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s) + _GRACE_S
-            calls.pending[call_id] = _Call(future, reply_ranks, deadline)
+            calls.pending[call_id] = _Call(future, reply_ranks, deadline, single=unique_reply_rank is not None)
             self._broadcast.send(pickle.dumps((call_id, method, args, kwargs or {}, unique_reply_rank),
                                               protocol=pickle.HIGHEST_PROTOCOL))
-        if unique_reply_rank is not None:
-            single: Future = Future()
-            future.add_done_callback(lambda f: _chain(f, single, lambda results: results[0]))
-            future = single
         return future if non_block else future.result()
 
     def execute_model(self, scheduler_output: SchedulerOutput,
@@ -313,7 +309,8 @@ def _read_responses(responses: Any, calls: _Calls, procs: list) -> None:
             call.results[rank] = payload
             if len(call.results) == len(call.reply_ranks):
                 del calls.pending[call_id]
-                call.future.set_result([call.results[r] for r in call.reply_ranks])
+                results = [call.results[r] for r in call.reply_ranks]
+                call.future.set_result(results[0] if call.single else results)
 
 
 def _monitor_workers(procs: list, calls: _Calls) -> None:
@@ -332,13 +329,6 @@ def _monitor_workers(procs: list, calls: _Calls) -> None:
                 missing = sorted(set(late[0].reply_ranks) - set(late[0].results))
                 calls.fail(f"tensor-parallel worker rank(s) {missing} did not answer within "
                            f"{calls.timeout_s + _GRACE_S:.0f} s")
-
-
-def _chain(source: Future, target: Future, transform: Any) -> None:
-    if source.exception() is not None:
-        target.set_exception(source.exception())
-    else:
-        target.set_result(transform(source.result()))
 
 
 def _release(procs: list, death_writers: list, paths: list[str], calls: _Calls, context: Any, sockets: list,

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from minillm.distributed.kv_transfer.prompt_connector import ReqMeta
+from minillm.distributed.kv_transfer.prompt_connector import KVLoadError, ReqMeta
+from minillm.distributed.kv_transfer.shared_storage_connector import SharedStorageConnector
 from minillm.distributed.kv_transfer.torch_distributed_connector import TorchDistributedConnector
 
 
@@ -23,3 +24,13 @@ class CorruptingConnector(TorchDistributedConnector):
             payload = payload.clone()
             payload.view(-1)[12345 % payload.numel()] += 1.0
         super()._send(rid, header, payload)
+
+
+class OneRankFailsToLoadConnector(SharedStorageConnector):
+    """Fails every load on tensor-parallel rank ``extra["fail_rank"]`` only (the others read the files fine), as a
+    file that vanishes between two ranks' reads would."""
+
+    def _fetch(self, load: ReqMeta) -> torch.Tensor:
+        if self._tp_group is not None and self._tp_group.rank == self._config.kv_connector_extra_config["fail_rank"]:
+            raise KVLoadError(f"rank {self._tp_group.rank} was told to fail")
+        return super()._fetch(load)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.config import KVTransferConfig
-from minillm.distributed import MultiprocExecutor
+from minillm.distributed import JobExecutor
 from minillm.distributed.disaggregation import disaggregated_worker, prefill_then_decode, run_requests
 from minillm.distributed.kv_transfer import (KVConnectorFactory, KVConnectorRole, PromptKVConnectorMetadata, ReqMeta,
                                              SharedStorageConnector, prompt_key)
@@ -229,14 +229,14 @@ def test_a_failed_transfer_recomputes_and_leaks_nothing(model, chat_prompts, ref
 # -- the pair in two processes: torch.distributed -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def executor(model):
-    with MultiprocExecutor({"smollm": model}, world_size=2, timeout_s=60.0) as ex:
+    with JobExecutor({"smollm": model}, world_size=2, timeout_s=60.0) as ex:
         yield ex
     assert ex.alive_ranks == []
 
 
 @pytest.mark.timeout(240)
 def test_torch_distributed_pair_equals_one_engine_on_smollm2(executor, chat_prompts, reference):
-    prefill, decode = executor.collective_rpc(disaggregated_worker, kwargs=dict(
+    prefill, decode = executor.run_job(disaggregated_worker, kwargs=dict(
         model="smollm", prompts=chat_prompts, max_tokens=10, engine_kwargs=PAIR_ARGS))
     assert decode["outputs"] == reference
     cfg = executor.configs["smollm"]
@@ -252,7 +252,7 @@ def test_torch_distributed_pair_equals_one_engine_on_smollm2(executor, chat_prom
 
 @pytest.mark.timeout(240)
 def test_damaged_and_lost_transfers_recompute(executor, chat_prompts, reference):
-    prefill, decode = executor.collective_rpc(disaggregated_worker, kwargs=dict(
+    prefill, decode = executor.run_job(disaggregated_worker, kwargs=dict(
         model="smollm", prompts=chat_prompts, max_tokens=10, engine_kwargs=PAIR_ARGS,
         connector="CorruptingConnector", connector_module_path="tests.kv_faults",
         producer_extra={"corrupt": ["req-1"], "drop": ["req-2"]}, transfer_timeout_s=3.0))

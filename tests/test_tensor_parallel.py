@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from minillm import LlamaConfig, LlamaForCausalLM
-from minillm.distributed import (MultiprocExecutor, TensorParallelGroup, expected_all_gather_bytes,
+from minillm.distributed import (JobExecutor, TensorParallelGroup, expected_all_gather_bytes,
                                  expected_all_reduce_bytes, expected_num_all_reduces, run_tensor_parallel,
                                  simulate_all_gather, simulate_all_reduce)
 from minillm.model.llama_tp import (TensorParallelLlamaForCausalLM, check_tensor_parallel_config, shard_summary,
@@ -348,7 +348,7 @@ def tp_executor(model):
     """Four worker processes serving SmolLM2 (``"smollm"``) and the tiny random Llama (``"tiny"``); jobs of 2, 3 and
     4 ranks run on the first ranks. Closed (every worker gone) when the module is done."""
     tiny = _random_model(TINY)
-    with MultiprocExecutor({"smollm": model, "tiny": tiny}, world_size=4, timeout_s=60.0) as ex:
+    with JobExecutor({"smollm": model, "tiny": tiny}, world_size=4, timeout_s=60.0) as ex:
         yield ex, {"smollm": model, "tiny": tiny}
     assert ex.alive_ranks == []
 
@@ -428,7 +428,7 @@ def test_bad_runs_are_refused_in_the_parent_and_the_executor_stays_usable(tp_exe
         args, match = dict(input_ids=[1, 2, 3]) | kwargs[0], kwargs[1]
         with pytest.raises(ValueError, match=match):
             run_tensor_parallel(executor, **args)
-    assert not executor.broken and executor.alive_ranks == [0, 1, 2, 3]
+    assert not executor.is_failed and executor.alive_ranks == [0, 1, 2, 3]
     # Still serving.
     ids = [0, TINY.vocab_size - 1, 5]
     res = run_tensor_parallel(executor, "tiny", torch.tensor(ids, dtype=torch.int32), tp_size=2)
@@ -436,7 +436,7 @@ def test_bad_runs_are_refused_in_the_parent_and_the_executor_stays_usable(tp_exe
 
 
 def _collectives_job(ctx, stall_rank: int | None = None) -> dict:
-    """A ``collective_rpc`` job (module-level so workers can import it): the group's collectives on plain tensors,
+    """A ``run_job`` job (module-level so workers can import it): the group's collectives on plain tensors,
     or, with ``stall_rank``, that rank sleeping past the timeout while the others all-reduce."""
     group = TensorParallelGroup(ctx.group, timeout_s=ctx.timeout_s)
     if stall_rank is not None:
@@ -455,17 +455,23 @@ def _collectives_job(ctx, stall_rank: int | None = None) -> dict:
 def test_group_collectives_and_a_stalled_rank_raises_collective_error():
     from minillm.distributed import WorkerError
 
-    with MultiprocExecutor({"tiny": _random_model(TINY)}, world_size=2, timeout_s=30.0) as ex:
-        outs = ex.collective_rpc(_collectives_job, world_size=2)
+    with JobExecutor({"tiny": _random_model(TINY)}, world_size=2, timeout_s=30.0) as ex:
+        outs = ex.run_job(_collectives_job, world_size=2)
         want = torch.arange(6.0).view(2, 3).T * (1 + 2)
         for r, out in enumerate(outs):
             assert torch.equal(out["summed"], want) and out["same_object"]  # in place, on every rank
             assert torch.equal(out["gathered"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
             assert (out["bytes_all_reduced"], out["num_all_reduces"]) == (6 * 4, 1)
             assert (out["bytes_all_gathered"], out["num_all_gathers"]) == (2 * 4, 1)  # this rank's own slice
+        # What no rank could run is refused here, and the executor serves on.
+        with pytest.raises(ValueError, match="module-level function"):
+            ex.run_job(lambda ctx: ctx.rank)
+        with pytest.raises(ValueError, match=r"world_size must be an int in \[1, 2\], got 3"):
+            ex.run_job(_collectives_job, world_size=3)
+        assert not ex.is_failed and len(ex.run_job(_collectives_job, world_size=1)) == 1
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match="rank 0 failed") as info:
-            ex.collective_rpc(_collectives_job, world_size=2, kwargs={"stall_rank": 1}, timeout_s=2.0)
+            ex.run_job(_collectives_job, world_size=2, kwargs={"stall_rank": 1}, timeout_s=2.0)
         assert "CollectiveError" in str(info.value) and "rank 0: test all-reduce of (4,)" in str(info.value)
         assert time.monotonic() - t0 < 2.0 + 15.0  # the timeout fired; nobody waited for the sleeper
     assert ex.alive_ranks == []

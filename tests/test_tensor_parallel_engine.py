@@ -2,8 +2,9 @@
 
 Tokens: the tiny model's workload (chunked prefill, prefix hits, a forced preemption, stop ids, seeded sampling,
 n-gram drafts) at tp = 2 and 4 (4 ranks share 2 KV heads: each head replicated on 2 ranks) equals the one-process
-engine's, with async scheduling on and off; SmolLM2 on 2 ranks is refused with vLLM's message. SmolLM2 served on 3 ranks is
-``tests/tp_smollm2.py``'s (``make test-tp``).
+engine's, with async scheduling on and off; SmolLM2 on 2 ranks is refused with vLLM's message. SmolLM2 served on 3
+ranks is ``tests/tp_smollm2.py``'s (``make test-tp``). ``collective_rpc`` runs a worker method or a function on every
+rank, and refuses in the caller what no rank could run.
 
 Each rank caches only its KV heads, and a memory budget buys tp times the blocks while ranks do not outnumber the KV
 heads. Faults: a rank killed mid-generate gives ``EngineDeadError`` naming it within 10 s (in this process, and
@@ -12,6 +13,7 @@ fails the step with a timeout that names the collective, and no process is left 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -22,10 +24,15 @@ import psutil
 import pytest
 import torch
 
+import safetensors.torch
+
+from minillm.distributed.disaggregation import prefill_then_decode, run_requests
+from minillm.distributed.kv_transfer.shared_storage_connector import prompt_key
 from minillm.engine import EngineDeadError
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.executor.multiproc_executor import MultiprocExecutor
+from minillm.worker.worker import Worker
 from minillm.model.parallel_layers import num_kv_heads_per_rank
 from minillm.sampling_params import SamplingParams
 from tests.engine_helpers import TINY, single_thread, tiny_model  # noqa: F401
@@ -100,9 +107,109 @@ def test_smollm2_on_2_ranks_is_refused_with_vllms_message():
         LLM(max_model_len=256, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
         EngineArgs(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="KV connector"):
-        EngineArgs(tensor_parallel_size=2, kv_transfer_config={"kv_connector": "SharedStorageConnector",
-                                                               "kv_role": "kv_both"})
+    with pytest.raises(ValueError, match="the KV connector TorchDistributedConnector does not support "
+                                         "tensor_parallel_size > 1"):
+        EngineArgs(tensor_parallel_size=2, kv_transfer_config={"kv_connector": "TorchDistributedConnector",
+                                                               "kv_role": "kv_producer"})
+
+
+def _connector_stats(worker) -> dict[str, int]:
+    """Run on each rank by ``collective_rpc``: that rank's connector counters (each rank has its own worker side)."""
+    return dict(worker.model_runner.kv_connector.stats)
+
+
+def _storage(path, role: str, **extra) -> dict:
+    return {"kv_connector": extra.pop("kv_connector", "SharedStorageConnector"), "kv_role": role,
+            "kv_connector_module_path": extra.pop("module_path", None),
+            "kv_connector_extra_config": {"shared_storage_path": str(path), **extra}}
+
+
+def test_a_kv_connector_runs_on_every_rank_whatever_the_two_engines_tp_sizes(tmp_path):
+    """Chapter 9's prefill and decode engines through files, at different tensor-parallel sizes: the files hold
+    every KV head whatever the size, each rank saves (all-gathered) and loads (its heads) its share."""
+    prompts = [list(range(1 + i, 23 + 3 * i)) for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    args = dict(block_size=4, num_gpu_blocks=120, max_model_len=128, max_num_batched_tokens=16,
+                enable_prefix_caching=True, enable_chunked_prefill=True)
+    reference = run_requests(engine(1, **args), [(f"req-{i}", p, greedy) for i, p in enumerate(prompts)])
+    model = tiny_model()
+
+    def make(tp: int, path, role: str, **extra) -> LLMEngine:
+        return LLMEngine(model, None, EngineArgs(tensor_parallel_size=tp, kv_transfer_config=_storage(path, role,
+                                                                                                      **extra), **args))
+
+    for prefill_tp, decode_tp in [(1, 2), (2, 4)]:
+        path = tmp_path / f"{prefill_tp}-{decode_tp}"
+        prefill, decode = make(prefill_tp, path, "kv_producer"), make(decode_tp, path, "kv_consumer")
+        try:
+            assert prefill_then_decode(prefill, decode, prompts, greedy) == reference, (prefill_tp, decode_tp)
+            for eng, tp in ((prefill, prefill_tp), (decode, decode_tp)):
+                stats = eng.model_executor.collective_rpc(_connector_stats)
+                assert len(stats) == tp and all(s == stats[0] for s in stats)  # every rank moved its share
+            assert stats[0]["loaded_requests"] == len(prompts) and stats[0]["failed_loads"] == 0
+            assert decode.stats.num_external_prompt_tokens + decode.stats.num_cached_prompt_tokens == \
+                sum(len(p) - 1 for p in prompts)
+        finally:
+            prefill.shutdown()
+            decode.shutdown()
+    # What 2 ranks stored is what one process stores: every KV head, the same numbers to fp32 rounding (the ranks
+    # sum the projections' partial products in another order).
+    single, split = (tmp_path / "1-2", tmp_path / "2-4")
+    for key in (prompt_key(p) for p in prompts):
+        for layer in range(TINY.num_hidden_layers):
+            one, two = (safetensors.torch.load_file(str(d / key / f"layer_{layer}.safetensors"))["kv"]
+                        for d in (single, split))
+            assert one.shape[0] == 2 and one.shape[2:] == (TINY.num_key_value_heads, TINY.head_dim)
+            torch.testing.assert_close(two, one, atol=1e-5, rtol=0)
+
+
+def test_ranks_agree_on_a_load_that_failed_on_one_of_them(tmp_path):
+    """A load that fails on rank 1 only must fail on every rank (only rank 0's report reaches the scheduler): the
+    request recomputes, and the tokens stay right."""
+    prompts = [list(range(3, 30))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    args = dict(block_size=4, num_gpu_blocks=80, max_model_len=128)
+    reference = run_requests(engine(1, **args), [("req-0", prompts[0], greedy)])
+    model = tiny_model()
+    prefill = LLMEngine(model, None, EngineArgs(kv_transfer_config=_storage(tmp_path, "kv_producer"), **args))
+    decode = LLMEngine(model, None, EngineArgs(tensor_parallel_size=2, **args, kv_transfer_config=_storage(
+        tmp_path, "kv_consumer", kv_connector="OneRankFailsToLoadConnector", module_path="tests.kv_faults",
+        fail_rank=1)))
+    try:
+        assert prefill_then_decode(prefill, decode, prompts, greedy) == reference
+        stats = decode.model_executor.collective_rpc(_connector_stats)
+        assert [s["failed_loads"] for s in stats] == [1, 1] and [s["loaded_requests"] for s in stats] == [0, 0]
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def _rank_plus(worker, extra: int = 0) -> tuple[int, int]:
+    """Run by ``collective_rpc`` on each rank (module-level: it travels by name): the worker comes first, as in
+    vLLM's ``run_method``."""
+    return worker.rank + extra, len(worker.model_runner.kv_caches)
+
+
+def test_collective_rpc_runs_a_function_on_every_worker_and_refuses_what_cannot_travel():
+    one = engine(1, num_gpu_blocks=40, block_size=4, max_model_len=64)
+    assert one.model_executor.collective_rpc(_rank_plus, (10,)) == [(10, TINY.num_hidden_layers)]
+    one.shutdown()
+    eng = engine(2, num_gpu_blocks=40, block_size=4, max_model_len=64)
+    try:
+        ex = eng.model_executor
+        assert ex.collective_rpc(_rank_plus, (10,)) == [(10, TINY.num_hidden_layers), (11, TINY.num_hidden_layers)]
+        assert ex.collective_rpc(_rank_plus, kwargs={"extra": 5}, unique_reply_rank=1)[0] == 6
+        for bad, match in [("no_such_method", "Worker has no method 'no_such_method'"),
+                           (lambda worker: 0, "module-level function"), (42, "module-level function")]:
+            with pytest.raises(ValueError, match=match):
+                ex.collective_rpc(bad)
+        with pytest.raises(ValueError, match=r"unique_reply_rank must be None or an int in \[0, 2\), got 2"):
+            ex.collective_rpc("describe", unique_reply_rank=2)
+        with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0, got 0"):
+            ex.collective_rpc("describe", timeout_s=0)
+        assert not ex.is_failed and [d["rank"] for d in ex.collective_rpc("describe")] == [0, 1]  # still serving
+    finally:
+        eng.shutdown()
 
 
 def test_a_killed_rank_gives_engine_dead_error_naming_it_within_10_seconds():
@@ -150,7 +257,7 @@ def test_a_killed_rank_reaches_llm_through_the_engine_core_process():
 
     threading.Thread(target=kill_soon, daemon=True).start()
     try:
-        with pytest.raises(EngineDeadError, match=r"tensor-parallel worker rank \d \(pid \d+\) died with exit code -9"):
+        with pytest.raises(EngineDeadError, match=r"worker rank \d \(pid \d+\) died with exit code -9"):
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 eng.add_request(f"r{time.monotonic_ns()}", list(range(1, 40)), long)
@@ -169,7 +276,8 @@ def test_a_rank_stuck_in_a_collective_times_out_with_a_clear_error():
     eng.add_request("a", list(range(1, 20)), SamplingParams(temperature=0.0, max_tokens=4))
     so = eng.scheduler.schedule()  # the plan of one step, made by the engine's own scheduler
     eng.shutdown()
-    executor = MultiprocExecutor(model, 2, dict(num_blocks=40, block_size=4, max_model_len=64), timeout_s=3.0)
+    executor = MultiprocExecutor(2, Worker, dict(model=model, num_blocks=40, block_size=4, max_model_len=64),
+                                 timeout_s=3.0, error_cls=EngineDeadError)
     pids = [p.pid for p in executor.procs]
     try:
         os.kill(pids[1], signal.SIGSTOP)  # rank 1 never reaches the first all-reduce
@@ -178,8 +286,10 @@ def test_a_rank_stuck_in_a_collective_times_out_with_a_clear_error():
                                                   r"\(19, 64\) (failed: RuntimeError: .*timed out|did not complete)"):
             executor.execute_model(so)
         assert time.monotonic() - start < 10
+        assert executor.alive_ranks == []  # the failure ended both ranks, the stopped one too
     finally:
-        os.kill(pids[1], signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
         executor.shutdown()
     assert all(wait_gone(pid) for pid in pids)
 

@@ -6,8 +6,8 @@ model on them. The only place a token needs another rank's tokens is attention, 
 (:mod:`minillm.distributed.comm`) and applies the causal rule by *absolute* position. Embedding, norms, projections,
 RoPE (positions are passed explicitly) and the MLP are per token and need nothing from anyone.
 
-:class:`~minillm.distributed.launcher.ContextParallelExecutor` starts the processes for you. Under ``torchrun`` (one
-process per rank, ``MASTER_ADDR``/``MASTER_PORT`` set for you) the same code runs as::
+:class:`~minillm.distributed.context_parallel_executor.ContextParallelExecutor` starts the processes for you. Under
+``torchrun`` (one process per rank, ``MASTER_ADDR``/``MASTER_PORT`` set for you) the same code runs as::
 
     dist.init_process_group("gloo")
     split = make_split(len(ids), dist.get_world_size(), "zigzag")

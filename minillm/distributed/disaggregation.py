@@ -5,7 +5,7 @@
 - :func:`prefill_then_decode`: the pair in one process, one after the other (the shared-storage connector: the
   files are the hand-off).
 - :func:`disaggregated_worker`: the pair in two processes at once, for
-  :meth:`~minillm.distributed.launcher.MultiprocExecutor.collective_rpc` with ``world_size=2``: rank 0 prefills and
+  :meth:`~minillm.distributed.jobs.JobExecutor.run_job` with ``world_size=2``: rank 0 prefills and
   sends each prompt's K/V with :class:`~minillm.distributed.kv_transfer.TorchDistributedConnector`, rank 1 receives
   it and decodes.
 
@@ -89,11 +89,11 @@ def disaggregated_worker(ctx: Any, model: str, prompts: list[list[int]], max_tok
                          engine_kwargs: dict[str, Any] | None = None, connector: str = "TorchDistributedConnector",
                          connector_module_path: str | None = None, producer_extra: dict[str, Any] | None = None,
                          transfer_timeout_s: float | None = None) -> dict[str, Any]:
-    """One rank of a prefill/decode pair over ``torch.distributed`` (run it with ``collective_rpc(...,
+    """One rank of a prefill/decode pair over ``torch.distributed`` (run it with ``run_job(...,
     world_size=2)``): rank 0 prefills and sends, rank 1 receives and decodes, at the same time.
 
     Args:
-        ctx: the :class:`~minillm.distributed.launcher.WorkerContext`.
+        ctx: the :class:`~minillm.distributed.jobs.WorkerContext`.
         model: the name of the model the executor was given.
         prompts: token ids; request ``i`` is ``"req-{i}"`` on both ranks.
         max_tokens: greedy tokens to generate per request.

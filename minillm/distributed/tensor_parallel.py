@@ -1,6 +1,6 @@
 """Tensor-parallel prefill on real worker processes: the job each rank runs, the parent's helper, and the formulas.
 
-- :func:`tp_prefill` is the job: run by :meth:`~minillm.distributed.launcher.MultiprocExecutor.collective_rpc` on
+- :func:`tp_prefill` is the job: run by :meth:`~minillm.distributed.jobs.JobExecutor.run_job` on
   ranks ``0 ... tp_size-1`` at once, each rank cuts its shard out of the full model it loaded, runs the prompt
   through it (all-reducing with the others over gloo) and returns the last token's logits and what it communicated.
 - :func:`run_tensor_parallel` is what a caller uses: it checks every argument in the parent (so a bad one is a
@@ -10,7 +10,7 @@
 
 Example::
 
-    with MultiprocExecutor({"smollm": model}, world_size=3) as ex:
+    with JobExecutor({"smollm": model}, world_size=3) as ex:
         res = run_tensor_parallel(ex, "smollm", input_ids, tp_size=3)
         next_token = int(res.logits.argmax())
 
@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minillm.config import LlamaConfig
-from minillm.distributed.launcher import MultiprocExecutor, WorkerContext, _check_input_ids
 from minillm.distributed.parallel_state import TensorParallelGroup, check_tp_rank
 from minillm.sampling_params import is_int
+
+if TYPE_CHECKING:  # the executor's package imports the tensor-parallel model, which imports this package
+    from minillm.distributed.jobs import JobExecutor, WorkerContext
 
 
 def expected_num_all_reduces(config: LlamaConfig, tp_size: int) -> int:
@@ -62,7 +64,7 @@ def expected_all_gather_bytes(config: LlamaConfig, num_rows: int, tp_size: int, 
 
 
 def tp_prefill(ctx: WorkerContext, model: str, input_ids: list[int], return_hidden: bool = False) -> dict[str, Any]:
-    """The job of one rank (module-level, for ``collective_rpc``): tensor-parallel prefill of one prompt.
+    """The job of one rank (module-level, for ``run_job``): tensor-parallel prefill of one prompt.
 
     Args:
         ctx: this rank, the job's gloo group (its ``world_size`` is ``tp_size``), the loaded models, the timeout.
@@ -128,7 +130,7 @@ class TensorParallelResult:
         return self.ranks[0]["hidden"]
 
 
-def run_tensor_parallel(executor: MultiprocExecutor, model: str, input_ids: torch.Tensor | list[int], tp_size: int,
+def run_tensor_parallel(executor: JobExecutor, model: str, input_ids: torch.Tensor | list[int], tp_size: int,
                         timeout_s: float | None = None, return_hidden: bool = False) -> TensorParallelResult:
     """Prefill ``input_ids`` with ``model`` split over ranks ``0 ... tp_size-1`` of ``executor``.
 
@@ -159,13 +161,14 @@ def run_tensor_parallel(executor: MultiprocExecutor, model: str, input_ids: torc
     if model not in configs:
         raise ValueError(f"unknown model {model!r}; have {sorted(configs)}")
     config = configs[model]
+    from minillm.distributed.jobs import check_input_ids
     from minillm.model.llama_tp import check_tensor_parallel_config  # see the note in tp_prefill
 
     check_tensor_parallel_config(config, tp_size)
-    ids = _check_input_ids(input_ids, config.vocab_size)
+    ids = check_input_ids(input_ids, config.vocab_size)
     if not ids:
         raise ValueError("input_ids must hold at least one token")
     t0 = time.perf_counter()
-    ranks = executor.collective_rpc(tp_prefill, world_size=int(tp_size), timeout_s=timeout_s,
-                                    kwargs={"model": model, "input_ids": ids, "return_hidden": bool(return_hidden)})
+    ranks = executor.run_job(tp_prefill, world_size=int(tp_size), timeout_s=timeout_s,
+                             kwargs={"model": model, "input_ids": ids, "return_hidden": bool(return_hidden)})
     return TensorParallelResult(int(tp_size), ranks, time.perf_counter() - t0)

@@ -229,8 +229,12 @@ class EngineArgs:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} runs its ranks on the CPU over "
                                  f"gloo here; device {device!r} is not supported with it (vLLM uses NCCL on GPUs)")
             if self.kv_transfer_config is not None:
-                raise ValueError("a KV connector (kv_transfer_config) with tensor_parallel_size > 1 is not supported "
-                                 "by minillm yet; use tensor_parallel_size=1 for disaggregated prefill")
+                from minillm.distributed.kv_transfer.factory import KVConnectorFactory
+
+                connector = KVConnectorFactory.get_connector_class(self.kv_transfer_config)
+                if not connector.supports_tensor_parallel:
+                    raise ValueError(f"the KV connector {connector.__name__} does not support tensor_parallel_size > "
+                                     f"1 (SharedStorageConnector does); use tensor_parallel_size=1 with it")
 
     def async_scheduling_incompatibility(self) -> str | None:
         """What configured here rules async scheduling out, as vLLM v0.33.0 words it; ``None`` if nothing."""

@@ -148,8 +148,12 @@ class EngineCore:
                 raise ValueError(f"replaced engine parts ({self.parts.replaced()}) run with tensor_parallel_size=1 "
                                  f"only (they live in this process, the ranks in others)")
             self.model_runner = None  # each rank holds its own, in its own process
+            # And its own copy of the connector's worker side: the one built here is only what the ranks start from.
+            self.kv_connector_worker = None
             # Each rank gets its share of this process's threads: more would fight over the same cores.
-            self.model_executor = MultiprocExecutor(model, self.tensor_parallel_size, runner_kwargs, seed=args.seed)
+            self.model_executor = MultiprocExecutor(self.tensor_parallel_size, Worker,
+                                                    dict(model=model, **runner_kwargs), seed=args.seed,
+                                                    error_cls=EngineDeadError)
         self.async_scheduling = async_scheduling
         # vLLM: VllmConfig.max_concurrent_batches, 2 with async scheduling (one step running, the next planned).
         self.batch_queue_size = 2 if async_scheduling else 1

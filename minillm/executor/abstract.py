@@ -12,6 +12,7 @@ vLLM counterpart: ``vllm/v1/executor/abstract.py:Executor`` (``execute_model``, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,8 +33,10 @@ class Executor(ABC):
         """Run one step; with ``non_block`` return a future at once. Steps run in the order they were given."""
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        """Call ``method(*args)`` on every worker (here: the model runner); one result per worker."""
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict | None = None) -> list[Any]:
+        """Call ``worker.method(*args, **kwargs)`` on every worker, or ``method(worker, *args, **kwargs)`` when
+        ``method`` is a function; one result per worker, by rank."""
 
     def check_health(self) -> None:
         """Raise if a worker is gone (one worker in-process: it cannot be)."""

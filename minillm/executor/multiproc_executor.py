@@ -1,18 +1,22 @@
-"""Tensor parallelism inside the engine: one worker process per rank, each step's plan broadcast to all of them.
+"""Worker processes, one per rank, that run every call together: the executor of tensor parallelism inside the
+engine, and of chapters 7 and 9's jobs.
 
-:class:`MultiprocExecutor` starts ``tp_size`` processes (``spawn``). Each joins one gloo group
-(``torch.distributed``), builds its :class:`~minillm.worker.worker.Worker` (its shard of the model, the paged KV
-cache of its KV heads) and then waits for work. The engine core calls the executor as it calls the one-process one:
+:class:`MultiprocExecutor` starts ``world_size`` processes (``spawn``). Each joins one gloo group
+(``torch.distributed``), builds its worker (``worker_cls``: the engine's :class:`~minillm.worker.worker.Worker`, with
+its shard of the model and the paged KV cache of its KV heads; or chapters 7 and 9's
+:class:`~minillm.distributed.jobs.JobWorker`, with full models) and then waits for work:
 
-- :meth:`MultiprocExecutor.execute_model` publishes the step's :class:`SchedulerOutput` **once**; every rank receives
-  it, runs the same step (the all-reduces inside the forward pass keep them in lockstep) and only rank 0
-  (:attr:`MultiprocExecutor.output_rank`) answers with its :class:`ModelRunnerOutput`; a rank that fails answers
-  with its error;
-- :meth:`MultiprocExecutor.collective_rpc` calls any :class:`~minillm.worker.worker.Worker` method on every rank;
-- a monitor thread watches the processes: when one dies, every call in flight, and every later one, fails at once
-  with :class:`~minillm.engine.EngineDeadError` naming the rank; a rank that does not answer within
-  ``timeout_s`` fails the call the same way, and a rank stuck in a collective gives up after ``timeout_s`` itself
-  (:class:`~minillm.distributed.parallel_state.TensorParallelGroup`).
+- :meth:`MultiprocExecutor.collective_rpc` publishes one call **once**: a worker method's name, or a module-level
+  function that each rank runs as ``fn(worker, *args, **kwargs)``; every rank runs it, and every rank answers, or only
+  ``unique_reply_rank``;
+- :meth:`MultiprocExecutor.execute_model` is the engine's step: every rank runs the same
+  :class:`SchedulerOutput` (the all-reduces inside the forward pass keep them in lockstep) and only rank 0
+  (:attr:`MultiprocExecutor.output_rank`) answers with its :class:`ModelRunnerOutput`;
+- a rank that fails answers with its error, and the executor fails every call with it, naming the rank. A peer's
+  broken collective is only a symptom: the executor waits up to 2 s for the rank that failed by itself, or died,
+  and names that one. A monitor thread watches the processes and every call's deadline. The first failure ends
+  the ranks, and every later call raises it again (``error_cls``: the engine passes
+  :class:`~minillm.engine.EngineDeadError`).
 
 The broadcast is a ZeroMQ ``XPUB`` socket (``ipc://``) that every rank subscribes to: one send reaches every rank,
 and the ``XPUB`` side sees each rank's subscription arrive, so nothing is published before every rank listens
@@ -20,18 +24,18 @@ and the ``XPUB`` side sees each rank's subscription arrive, so nothing is publis
 shared-memory ring buffer for the ranks on its own node and a ZeroMQ ``XPUB`` socket for ranks on other nodes
 (``vllm/distributed/device_communicators/shm_broadcast.py:MessageQueue``); a ring buffer saves a copy per rank,
 which matters for a GPU's microsecond steps, not for a CPU step of tens of milliseconds. The messages are pickled,
-as ``MessageQueue`` pickles them: they go only to this engine's own child processes, over sockets only they can open.
+as ``MessageQueue`` pickles them: they go only to this executor's own child processes, over sockets only they can
+open. The workers' arguments (the model) go once through a pipe, their tensors as shared memory.
 
-Not to be confused with chapters 7 and 9's :class:`minillm.distributed.launcher.MultiprocExecutor`, which runs
-one-off jobs (a context-parallel or tensor-parallel prefill of one prompt) on ranks that each hold the full model;
-this one is the engine's, stepping every request on ranks that each hold a shard.
-
-vLLM counterpart: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``: ``collective_rpc`` with
-``unique_reply_rank``, ``execute_model``, ``output_rank``, ``check_health``, the worker monitor, ``WorkerProc``
-and its busy loop).
+vLLM counterpart: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``: ``collective_rpc`` with a
+method name or a callable and ``unique_reply_rank``, ``execute_model``, ``output_rank``, ``check_health``, the
+worker monitor, ``WorkerProc`` and its busy loop), and ``vllm/v1/serial_utils.py:run_method`` (a callable runs as
+``fn(worker, *args, **kwargs)``).
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import itertools
 import os
 import pickle
@@ -42,6 +46,7 @@ import time
 import traceback
 import uuid
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -49,14 +54,22 @@ from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from minillm.engine import EngineDeadError
 from minillm.executor.abstract import Executor
-from minillm.model.llama import LlamaForCausalLM
 from minillm.system_utils import watch_parent
 
+# A rank stuck in a collective gives up after timeout_s and says where; a call waits this much longer, so that
+# message comes first, before the executor names the ranks that did not answer at all.
 _GRACE_S = 5.0
+# How long a peer's broken collective waits for the rank that caused it (an error of its own, or its death).
+_ROOT_CAUSE_WAIT_S = 2.0
 _READY = "ready"
 _SHUTDOWN = "__shutdown__"
+
+
+class WorkerError(RuntimeError):
+    """A worker rank failed, died or did not answer; the message names the rank (and carries its traceback).
+
+    vLLM's ``MultiprocExecutor.collective_rpc`` raises a ``RuntimeError`` ("Worker failed with error ...") too."""
 
 
 @dataclass
@@ -65,6 +78,7 @@ class _Call:
 
     future: Future
     reply_ranks: list[int]
+    timeout_s: float
     deadline: float
     single: bool  # one rank answers (unique_reply_rank): the future gets its result, not a list
     results: dict[int, Any] = field(default_factory=dict)
@@ -74,8 +88,9 @@ class _Calls:
     """The calls in flight and the executor's failure, shared with its two threads (which hold no reference to the
     executor, so deleting it, or the engine around it, stops the ranks)."""
 
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, procs: list, error_cls: type[Exception]) -> None:
+        self.procs = procs
+        self.error_cls = error_cls
         self.lock = threading.Lock()
         self.pending: dict[int, _Call] = {}
         self.failure: str | None = None
@@ -84,53 +99,64 @@ class _Calls:
         self.reap_lock = threading.Lock()
 
     def fail(self, why: str) -> None:
-        """Fail every call in flight, and every later one. Call with ``lock`` held."""
+        """End every rank, then fail every call in flight, and every later one. Call with ``lock`` held.
+
+        The ranks are ended first: a call that fails finds them gone, and a live peer left mid-collective could run
+        nothing more anyway (vLLM's monitor shuts the executor down too)."""
         self.failure = self.failure or why
+        with self.reap_lock:
+            _end_processes(self.procs, terminate_wait_s=1.0)
         for call in self.pending.values():
             if not call.future.done():
-                call.future.set_exception(EngineDeadError(self.failure))
+                call.future.set_exception(self.error_cls(self.failure))
         self.pending.clear()
 
 
 class MultiprocExecutor(Executor):
-    """Runs every step on ``tp_size`` worker processes, one per tensor-parallel rank.
+    """Runs every call on ``world_size`` worker processes, one per rank. Use it directly or as a context manager.
 
     Args:
-        model: the full model; each rank builds its shard from it (the weights travel once, as shared memory).
-        tp_size: ranks (processes), ``>= 2``.
-        runner_kwargs: the model runner's arguments, the same on every rank (``num_blocks``, ``block_size``, ...).
+        world_size: ranks (processes), ``>= 1``; the engine runs tensor parallelism with 2 or more.
+        worker_cls: what each rank builds: ``worker_cls(rank=r, tp_group=g, **worker_kwargs)``, ``g`` a
+            :class:`~minillm.distributed.parallel_state.TensorParallelGroup` of every rank.
+        worker_kwargs: the same for every rank; sent once through a pipe, tensors as shared memory (the model's
+            weights are not copied per rank).
         seed: every rank seeds its global generator with it, so unseeded sampling draws the same on every rank.
         num_threads: PyTorch threads per rank (default: this process's, shared out among the ranks, at least 1).
-        timeout_s: the longest a step (or a collective inside it) may take before the call fails.
-        start_timeout_s: the longest the ranks may take to start, load their shards and report ready.
+        timeout_s: the longest a call (or a collective inside it) may take before the call fails.
+        start_timeout_s: the longest the ranks may take to start, build their workers and report ready.
+        error_cls: the exception a failure raises (default :class:`WorkerError`; the engine core passes
+            :class:`~minillm.engine.EngineDeadError`).
 
     Attributes:
         procs: the ranks' processes, rank order.
-        worker_info: what each rank reported when it was ready (:meth:`~minillm.worker.worker.Worker.describe`).
+        worker_info: what each rank reported when it was ready (its worker's ``describe()``, or ``None``).
 
     Raises:
+        ValueError: a bad ``world_size``, ``timeout_s`` or ``start_timeout_s``.
         RuntimeError: a rank failed to start (its error is in the message) or did not report in time.
     """
 
     output_rank = 0
 
-    def __init__(self, model: LlamaForCausalLM, tp_size: int, runner_kwargs: dict[str, Any], seed: int = 0,
-                 num_threads: int | None = None, timeout_s: float = 60.0, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, world_size: int, worker_cls: type, worker_kwargs: dict[str, Any], seed: int = 0,
+                 num_threads: int | None = None, timeout_s: float = 60.0, start_timeout_s: float = 120.0,
+                 error_cls: type[Exception] = WorkerError) -> None:
         import torch
         import torch.multiprocessing as torch_mp
         import zmq
 
-        if tp_size < 2:
-            raise ValueError(f"MultiprocExecutor runs 2 or more ranks, got tp_size={tp_size}; one rank runs in "
-                             f"UniProcExecutor")
-        self.tp_size = tp_size
-        self.timeout_s = timeout_s
-        self._calls = _Calls(timeout_s)
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        self.world_size = world_size
+        self.worker_cls = worker_cls
+        self.timeout_s = check_timeout("timeout_s", timeout_s)
+        start_timeout_s = check_timeout("start_timeout_s", start_timeout_s)
         self._call_ids = itertools.count()
         # (sent, answered) of each step, time.monotonic(), while the engine core records a timeline.
         self.timeline: list[tuple[float, float]] | None = None
 
-        base = os.path.join(tempfile.gettempdir(), f"minillm-tp-{uuid.uuid4().hex[:12]}")
+        base = os.path.join(tempfile.gettempdir(), f"minillm-mp-{uuid.uuid4().hex[:12]}")
         paths = [base + "-rpc", base + "-out", base + "-init"]
         self._context = zmq.Context()
         self._broadcast = self._context.socket(zmq.XPUB)
@@ -142,29 +168,30 @@ class MultiprocExecutor(Executor):
         responses.bind(f"ipc://{paths[1]}")
 
         ctx = torch_mp.get_context("spawn")
-        threads = num_threads if num_threads is not None else max(1, torch.get_num_threads() // tp_size)
+        threads = num_threads if num_threads is not None else max(1, torch.get_num_threads() // world_size)
         self.procs = []
-        death_writers, model_writers = [], []
-        for rank in range(tp_size):
+        death_writers, arg_writers = [], []
+        for rank in range(world_size):
             death_reader, death_writer = ctx.Pipe(duplex=False)
-            model_reader, model_writer = ctx.Pipe(duplex=False)
+            arg_reader, arg_writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker_main, name=f"Worker_TP{rank}", kwargs=dict(
-                rank=rank, tp_size=tp_size, init_file=paths[2], broadcast_address=f"ipc://{paths[0]}",
-                response_address=f"ipc://{paths[1]}", death_pipe=death_reader, model_pipe=model_reader,
-                runner_kwargs=runner_kwargs, seed=seed, num_threads=threads, timeout_s=timeout_s))
+                rank=rank, world_size=world_size, init_file=paths[2], broadcast_address=f"ipc://{paths[0]}",
+                response_address=f"ipc://{paths[1]}", death_pipe=death_reader, args_pipe=arg_reader,
+                worker_cls=worker_cls, seed=seed, num_threads=threads, timeout_s=self.timeout_s))
             proc.start()
             death_reader.close()
-            model_reader.close()
+            arg_reader.close()
             self.procs.append(proc)
             death_writers.append(death_writer)
-            model_writers.append(model_writer)
+            arg_writers.append(arg_writer)
+        self._calls = _Calls(list(self.procs), error_cls)
         # shutdown(), or deleting the executor (or the engine around it), or the interpreter's exit: no rank is left.
         self._threads: list[threading.Thread] = []
         self._finalizer = weakref.finalize(self, _release, list(self.procs), death_writers, paths, self._calls,
                                            self._context, [self._broadcast, responses], self._threads)
-        for writer in model_writers:
+        for writer in arg_writers:
             try:
-                writer.send(model)  # tensors go to shared memory once; each rank gets their handles
+                writer.send(worker_kwargs)  # tensors go to shared memory once; each rank gets their handles
             except OSError:
                 pass  # that rank is gone: the start-up wait below names it
             finally:
@@ -175,35 +202,66 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self._threads += [
-            threading.Thread(target=_read_responses, args=(responses, self._calls, list(self.procs)),
-                             name="minillm-tp-responses", daemon=True),
-            threading.Thread(target=_monitor_workers, args=(list(self.procs), self._calls), name="minillm-tp-monitor",
-                             daemon=True)]
+            threading.Thread(target=_read_responses, args=(responses, self._calls),
+                             name="minillm-mp-responses", daemon=True),
+            threading.Thread(target=_monitor_workers, args=(self._calls,), name="minillm-mp-monitor", daemon=True)]
         for thread in self._threads:
             thread.start()
 
+    def __enter__(self) -> "MultiprocExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def is_failed(self) -> bool:
+        """Whether a rank failed or died, or the executor was shut down (vLLM: ``Executor.is_failed``)."""
+        return self._calls.failure is not None
+
+    @property
+    def alive_ranks(self) -> list[int]:
+        """Ranks whose process is still running (empty once the executor failed or was shut down)."""
+        return [r for r, p in enumerate(self.procs) if p.is_alive()]
+
     # -- calls ----------------------------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None, non_block: bool = False,
                        timeout_s: float | None = None) -> Any:
-        """Call ``Worker.method(*args, **kwargs)`` on every rank.
+        """Call ``worker.method(*args, **kwargs)``, or ``method(worker, *args, **kwargs)``, on every rank.
+
+        Args:
+            method: the name of a method of ``worker_cls``, or a module-level function of an importable module (it
+                travels by name: each rank imports it).
+            args, kwargs: the same for every rank; they travel pickled.
+            unique_reply_rank: only this rank answers (the others run the call too).
+            non_block: return a ``Future`` at once.
+            timeout_s: the longest the call may take (default: the executor's ``timeout_s``), plus 5 s of grace.
 
         Returns:
-            One result per rank, or only ``unique_reply_rank``'s; with ``non_block``, a ``Future`` of that.
+            One result per rank, by rank, or only ``unique_reply_rank``'s; with ``non_block``, a ``Future`` of that.
 
         Raises:
-            EngineDeadError: a rank died, failed, or did not answer within ``timeout_s`` (default: the executor's).
+            ValueError: a method the workers do not have, a function they cannot import, a bad rank or timeout;
+                checked here, before anything is sent, so the executor stays usable.
+            error_cls: a rank died, failed, or did not answer in time (the executor has then failed for good).
         """
         self.check_health()
-        reply_ranks = list(range(self.tp_size)) if unique_reply_rank is None else [unique_reply_rank]
+        _check_method(method, self.worker_cls)
+        if unique_reply_rank is not None and (isinstance(unique_reply_rank, bool) or unique_reply_rank
+                                              not in range(self.world_size)):
+            raise ValueError(f"unique_reply_rank must be None or an int in [0, {self.world_size}), got "
+                             f"{unique_reply_rank!r}")
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
+        reply_ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
         future: Future = Future()
         calls = self._calls
         with calls.lock:
+            if calls.failure is not None:
+                raise calls.error_cls(calls.failure)
             call_id = next(self._call_ids)
-            # A rank stuck in a collective gives up after timeout_s and says where; the executor waits a little
-            # longer, so that message comes first, before it names the ranks that did not answer at all.
-            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s) + _GRACE_S
-            calls.pending[call_id] = _Call(future, reply_ranks, deadline, single=unique_reply_rank is not None)
+            calls.pending[call_id] = _Call(future, reply_ranks, timeout_s, time.monotonic() + timeout_s + _GRACE_S,
+                                           single=unique_reply_rank is not None)
             self._broadcast.send(pickle.dumps((call_id, method, args, kwargs or {}, unique_reply_rank),
                                               protocol=pickle.HIGHEST_PROTOCOL))
         return future if non_block else future.result()
@@ -223,9 +281,9 @@ class MultiprocExecutor(Executor):
         return True
 
     def check_health(self) -> None:
-        """Raise :class:`EngineDeadError` if a rank has died or failed, or the executor was shut down."""
+        """Raise ``error_cls`` if a rank has died or failed, or the executor was shut down."""
         if self._calls.failure is not None:
-            raise EngineDeadError(self._calls.failure)
+            raise self._calls.error_cls(self._calls.failure)
 
     def shutdown(self) -> None:
         """Ask every rank to stop, give them 5 s, then terminate what is left; close the sockets. Idempotent."""
@@ -243,7 +301,53 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _wait_until_ready(broadcast: Any, responses: Any, procs: list, timeout_s: float) -> list[dict[str, Any]]:
+def check_timeout(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite number of seconds > 0, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _check_method(method: object, worker_cls: type) -> None:
+    """A ValueError, here in the caller, for a call no rank could make: a method ``worker_cls`` lacks, or a function
+    that cannot travel by name."""
+    if isinstance(method, str):
+        if not callable(getattr(worker_cls, method, None)):
+            raise ValueError(f"{worker_cls.__name__} has no method {method!r}")
+        return
+    check_importable_function(method)
+
+
+def check_importable_function(fn: object) -> None:
+    """A ValueError unless ``fn`` is a module-level function of an importable module: a pickled function travels by
+    name and each rank imports it (a lambda, a nested function, or one defined in ``__main__`` or a notebook cannot).
+    """
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not callable(fn) or not module or module == "__main__" or "." in qualname or "<" in qualname:
+        raise ValueError(f"a function for the workers must be a module-level function of an importable module (each "
+                         f"rank imports it by name), got {fn!r}")
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"cannot import {fn!r}'s module {module!r}: {e}") from None
+
+
+def _end_processes(procs: list, terminate_wait_s: float) -> None:
+    """Terminate every live process, wait up to ``terminate_wait_s`` for all, then kill the rest (a stopped
+    process does not act on SIGTERM until continued; SIGKILL ends it anyway)."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + terminate_wait_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def _wait_until_ready(broadcast: Any, responses: Any, procs: list, timeout_s: float) -> list[Any]:
     """Wait until every rank subscribed to the broadcast and reported its worker built; their descriptions."""
     import zmq
 
@@ -256,19 +360,19 @@ def _wait_until_ready(broadcast: Any, responses: Any, procs: list, timeout_s: fl
         dead = [(r, p) for r, p in enumerate(procs) if not p.is_alive()]
         if dead:
             rank, proc = dead[0]
-            raise RuntimeError(f"tensor-parallel worker rank {rank} exited during start-up (exit code "
-                               f"{proc.exitcode}); a script must create the engine under "
-                               f"`if __name__ == \"__main__\":` (workers are started with spawn)")
+            raise RuntimeError(f"worker rank {rank} exited during start-up (exit code {proc.exitcode}); a script "
+                               f"must start the executor (or the engine) under `if __name__ == \"__main__\":` "
+                               f"(workers are started with spawn)")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"tensor-parallel workers did not start within {timeout_s:.0f} s: {subscribed} of "
-                               f"{len(procs)} subscribed, ranks {sorted(ready)} ready")
+            raise RuntimeError(f"the workers did not start within {timeout_s:.0f} s: {subscribed} of {len(procs)} "
+                               f"subscribed, ranks {sorted(ready)} ready")
         events = dict(poller.poll(200))
         if broadcast in events and broadcast.recv()[:1] == b"\x01":  # a subscription (b"\x00": unsubscription)
             subscribed += 1
         if responses in events:
             kind, rank, ok, payload = pickle.loads(responses.recv())
             if kind == _READY and not ok:
-                raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start: {payload}")
+                raise RuntimeError(f"worker rank {rank} failed to start: {payload}")
             ready[rank] = payload
     return [ready[r] for r in range(len(procs))]
 
@@ -282,10 +386,39 @@ def _dead_rank(procs: list, wait_s: float, reap_lock: threading.Lock) -> str | N
     rank = sentinels[died[0]]
     with reap_lock:
         procs[rank].join(timeout=1)  # reaped, so the exit code is known
-    return f"tensor-parallel worker rank {rank} (pid {procs[rank].pid}) died with exit code {procs[rank].exitcode}"
+    # Another thread (a caller's own join) may be the one reaping it: its exit code lands a moment later.
+    deadline = time.monotonic() + 1
+    while procs[rank].exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return f"worker rank {rank} (pid {procs[rank].pid}) died with exit code {procs[rank].exitcode}"
 
 
-def _read_responses(responses: Any, calls: _Calls, procs: list) -> None:
+def _root_cause(rank: int, error: tuple[bool, str, str], responses: Any, calls: _Calls) -> str:
+    """The failure to report, given a rank's error ``(is_collective_error, summary, traceback)``.
+
+    A broken collective on a live rank is usually a symptom: its peer died, or failed by itself and never reached
+    the collective. Wait up to ``_ROOT_CAUSE_WAIT_S`` for that peer (its death, or an error that is not a
+    collective's), and name it; otherwise name the first rank that reported."""
+    errors = {rank: error}
+    deadline = time.monotonic() + _ROOT_CAUSE_WAIT_S
+    while all(collective for collective, _, _ in errors.values()):
+        death = _dead_rank(calls.procs, 0.05, calls.reap_lock)
+        if death is not None:
+            return death
+        if time.monotonic() > deadline:
+            break
+        if responses.poll(50):
+            _, other, ok, payload = pickle.loads(responses.recv())
+            if not ok:
+                errors.setdefault(other, payload)
+    rank = next((r for r, (collective, _, _) in errors.items() if not collective), rank)
+    _, summary, tb = errors[rank]
+    others = sorted(set(errors) - {rank})
+    also = f" (then ranks {others} failed too)" if others else ""
+    return f"worker rank {rank} failed: {summary}{also}\n{tb}"
+
+
+def _read_responses(responses: Any, calls: _Calls) -> None:
     """The response thread: match each rank's answer to its call; a rank's error fails the executor."""
     import zmq
 
@@ -294,18 +427,17 @@ def _read_responses(responses: Any, calls: _Calls, procs: list) -> None:
             if not responses.poll(200):
                 continue
             call_id, rank, ok, payload = pickle.loads(responses.recv())
+            why = None if ok else _root_cause(rank, payload, responses, calls)
         except zmq.ZMQError:
             return  # the socket was closed: shutting down
-        # A rank that dies mid-step shows first as a broken collective on its live peers: name the dead one.
-        death = None if ok else _dead_rank(procs, 1.0, calls.reap_lock)
         with calls.lock:
+            if why is not None:
+                # A rank's error ends the executor: its peers are left mid-collective, no later call can run.
+                calls.fail(why)
+                continue
             call = calls.pending.get(call_id)
             if call is None:
                 continue  # a call that already failed
-            if not ok:
-                # A rank's error ends the executor: its peers are left mid-collective, no later step can run.
-                calls.fail(death or f"tensor-parallel worker rank {rank} failed: {payload}")
-                continue
             call.results[rank] = payload
             if len(call.results) == len(call.reply_ranks):
                 del calls.pending[call_id]
@@ -313,11 +445,11 @@ def _read_responses(responses: Any, calls: _Calls, procs: list) -> None:
                 call.future.set_result(results[0] if call.single else results)
 
 
-def _monitor_workers(procs: list, calls: _Calls) -> None:
+def _monitor_workers(calls: _Calls) -> None:
     """The monitor thread: a rank that dies, or a call past its deadline, fails every call (vLLM's
     ``MultiprocExecutor.start_worker_monitor``)."""
     while not calls.stop.is_set():
-        death = _dead_rank(procs, 0.2, calls.reap_lock)
+        death = _dead_rank(calls.procs, 0.2, calls.reap_lock)
         if death is not None and not calls.stop.is_set():
             with calls.lock:
                 calls.fail(death)
@@ -327,8 +459,7 @@ def _monitor_workers(procs: list, calls: _Calls) -> None:
             late = [c for c in calls.pending.values() if now > c.deadline]
             if late:
                 missing = sorted(set(late[0].reply_ranks) - set(late[0].results))
-                calls.fail(f"tensor-parallel worker rank(s) {missing} did not answer within "
-                           f"{calls.timeout_s + _GRACE_S:.0f} s")
+                calls.fail(f"worker rank(s) {missing} did not answer within {late[0].timeout_s + _GRACE_S:.0f} s")
 
 
 def _release(procs: list, death_writers: list, paths: list[str], calls: _Calls, context: Any, sockets: list,
@@ -337,19 +468,11 @@ def _release(procs: list, death_writers: list, paths: list[str], calls: _Calls, 
     calls.stop.set()
     for thread in threads:
         if thread is not threading.current_thread():
-            thread.join(timeout=2)  # each wakes within 0.2 s; a socket must not close under a thread using it
+            thread.join(timeout=5)  # each wakes within 0.2 s; a socket must not close under a thread using it
     for writer in death_writers:
         writer.close()  # a rank still waiting for work sees its parent gone and exits
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
     with calls.lock:
-        calls.fail("the executor was shut down")
+        calls.fail("the executor was shut down")  # ends the ranks, and fails any call still waiting
         for socket in sockets:
             socket.close(linger=0)
     context.term()
@@ -360,8 +483,8 @@ def _release(procs: list, death_writers: list, paths: list[str], calls: _Calls, 
             pass
 
 
-def _worker_main(rank: int, tp_size: int, init_file: str, broadcast_address: str, response_address: str,
-                 death_pipe: Any, model_pipe: Any, runner_kwargs: dict[str, Any], seed: int, num_threads: int,
+def _worker_main(rank: int, world_size: int, init_file: str, broadcast_address: str, response_address: str,
+                 death_pipe: Any, args_pipe: Any, worker_cls: type, seed: int, num_threads: int,
                  timeout_s: float) -> None:
     """A rank's process: join the group, build the worker, then run every call the executor publishes.
 
@@ -371,10 +494,10 @@ def _worker_main(rank: int, tp_size: int, init_file: str, broadcast_address: str
     import torch.distributed as dist
     import zmq
 
+    from minillm.distributed.comm import CollectiveError
     from minillm.distributed.parallel_state import TensorParallelGroup
-    from minillm.worker.worker import Worker
 
-    # Ctrl-C reaches the whole process group; the engine decides what happens, and stops us with SIGTERM.
+    # Ctrl-C reaches the whole process group; the caller decides what happens, and stops us with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
     threading.Thread(target=watch_parent, args=(death_pipe,), name="minillm-parent-watch", daemon=True).start()
@@ -388,15 +511,16 @@ def _worker_main(rank: int, tp_size: int, init_file: str, broadcast_address: str
     push.setsockopt(zmq.SNDHWM, 0)
     push.connect(response_address)
     try:
-        model = model_pipe.recv()
-        model_pipe.close()
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size,
+        worker_kwargs = args_pipe.recv()
+        args_pipe.close()
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         torch.manual_seed(seed)  # the global generator unseeded random sampling draws from: the same on every rank
-        worker = Worker(model, rank, TensorParallelGroup(dist.group.WORLD, timeout_s), **runner_kwargs)
-        del model
-        push.send(pickle.dumps((_READY, rank, True, worker.describe())))
-    except BaseException as e:  # noqa: BLE001 - the executor raises it in the engine's process
+        worker = worker_cls(rank=rank, tp_group=TensorParallelGroup(dist.group.WORLD, timeout_s), **worker_kwargs)
+        del worker_kwargs
+        describe = getattr(worker, "describe", None)
+        push.send(pickle.dumps((_READY, rank, True, describe() if describe is not None else None)))
+    except BaseException as e:  # noqa: BLE001 - the executor raises it in the caller's process
         push.send(pickle.dumps((_READY, rank, False, f"{type(e).__name__}: {e}")))
         push.close(linger=2000)
         return
@@ -406,10 +530,10 @@ def _worker_main(rank: int, tp_size: int, init_file: str, broadcast_address: str
             if method == _SHUTDOWN:
                 break
             try:
-                result, ok = getattr(worker, method)(*args, **kwargs), True
+                fn = getattr(worker, method) if isinstance(method, str) else functools.partial(method, worker)
+                result, ok = fn(*args, **kwargs), True
             except Exception as e:  # noqa: BLE001 - sent back: the executor fails the call with it
-                traceback.print_exc()  # the whole story on this rank's stderr; the message carries the gist
-                result, ok = f"{type(e).__name__}: {e}", False
+                result, ok = (isinstance(e, CollectiveError), f"{type(e).__name__}: {e}", traceback.format_exc()), False
             if not ok or reply_rank is None or reply_rank == rank:
                 push.send(pickle.dumps((call_id, rank, ok, result), protocol=pickle.HIGHEST_PROTOCOL))
     finally:

@@ -16,7 +16,9 @@ vLLM counterpart: ``vllm/v1/executor/uniproc_executor.py:UniProcExecutor``, whos
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -64,10 +66,12 @@ class UniProcExecutor(Executor):
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-executor")
         return self._thread.submit(self._execute, scheduler_output)
 
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict | None = None) -> list[Any]:
+        fn = getattr(self.driver_worker, method) if isinstance(method, str) else partial(method, self.driver_worker)
         if self._always_on_thread:
-            return [self._thread.submit(getattr(self.driver_worker, method), *args).result()]
-        return [getattr(self.driver_worker, method)(*args)]
+            return [self._thread.submit(fn, *args, **(kwargs or {})).result()]
+        return [fn(*args, **(kwargs or {}))]
 
     def shutdown(self) -> None:
         if self._thread is not None:

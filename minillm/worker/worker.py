@@ -10,7 +10,9 @@ outnumber KV heads, as vLLM does).
 
 Every rank runs every step on the same :class:`~minillm.core.sched.output.SchedulerOutput`: one scheduler, one
 block table, the same slot mapping everywhere, because a block id names the same tokens on every rank, only fewer
-heads of them. The logits are all-gathered, so every rank holds all of them and samples with the same seeds: each
+heads of them. A KV connector's worker side runs on every rank too, each moving its own KV heads
+(:meth:`~minillm.distributed.kv_transfer.base.KVConnectorBase_V1.bind_tensor_parallel`). The logits are
+all-gathered, so every rank holds all of them and samples with the same seeds: each
 rank's persistent batch appends the same token without anyone sending it. Only rank 0's
 :class:`~minillm.core.sched.output.ModelRunnerOutput` goes back to the engine core.
 
@@ -54,6 +56,9 @@ class Worker:
         if self.tp_size > 1:
             model = TensorParallelLlamaForCausalLM(model, tp_group)
             runner_kwargs["num_kv_heads"] = model.num_kv_heads
+            connector = runner_kwargs.get("kv_connector")
+            if connector is not None:  # this rank's own copy of the worker side: it moves only this rank's heads
+                connector.bind_tensor_parallel(tp_group, model.model.layers[0].self_attn.qkv_proj.kv_heads)
         self.model_runner = ModelRunner(model, **runner_kwargs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -68,7 +73,8 @@ class Worker:
         """Nothing to check inside a live process: the executor watches the processes themselves."""
 
     def describe(self) -> dict[str, Any]:
-        """What this rank holds: its heads, its KV cache's shape and bytes, its weights' bytes, what it has sent."""
+        """What this rank holds: its heads, its KV cache's shape and bytes, its weights' bytes, what it has sent (and
+        what its KV connector moved, if it has one)."""
         runner = self.model_runner
         key_cache = runner.kv_caches[0][0]
         model = runner.model
@@ -84,4 +90,6 @@ class Worker:
             info.update(query_heads=list(attn.query_heads), kv_heads=list(attn.kv_heads))
         if self.tp_group is not None:
             info.update(self.tp_group.stats())
+        if runner.kv_connector is not None and hasattr(runner.kv_connector, "stats"):
+            info["kv_connector_stats"] = dict(runner.kv_connector.stats)
         return info

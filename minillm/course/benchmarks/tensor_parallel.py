@@ -11,8 +11,9 @@ executor can be asked what its ranks did). Reported:
 - step time (median) and output tokens per second; the greedy tokens must equal those of one process.
 
 On a CPU of 2 cores more ranks cannot be faster: three processes share two cores, and every layer waits twice for
-the slowest rank. What tensor parallelism buys on GPUs (memory per device, bandwidth per token) is chapter 10's
-arithmetic, not this benchmark's.
+the slowest rank. What tensor parallelism buys on GPUs (memory per device, bandwidth per token) is printed after
+the measurements, on paper: :func:`~minillm.course.analysis.tp_arithmetic.where_tp_pays`, a roofline of one decode
+step of Llama-3.1-70B and of SmolLM2 on 1 to 8 H100s, with the datasheet's bandwidths.
 """
 from __future__ import annotations
 
@@ -121,6 +122,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"formula {r['expected_all_reduce_bytes']} B in {r['expected_all_reduces']}; empty call to every "
                   f"rank {r['rpc_round_trip_us']:.0f} us; KV cache per rank {r['kv_cache_bytes_per_rank'][0]} B, "
                   f"weights {r['param_bytes_per_rank'][0]} B")
+    print()
+    from minillm.course.analysis.tp_arithmetic import where_tp_pays
+
+    where_tp_pays()
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in results], f, indent=1)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from minillm.core.kv_cache_manager import KVCacheManager
     from minillm.core.kv_cache_utils import KVCacheBlock
     from minillm.core.sched.output import KVConnectorOutput, SchedulerOutput
+    from minillm.distributed.parallel_state import TensorParallelGroup
     from minillm.request import Request
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -57,12 +58,19 @@ class KVConnectorMetadata:
 class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
     """One half of a KV connector (see the module docstring for the life cycle).
 
+    With tensor parallelism the scheduler side stays one, in the engine core, and every rank has a worker side of its
+    own, told its group and its KV heads by :meth:`bind_tensor_parallel`; only a connector class with
+    ``supports_tensor_parallel = True`` accepts that.
+
     Args:
         config: the engine's :class:`~minillm.config.KVTransferConfig`.
         role: :attr:`KVConnectorRole.SCHEDULER` or :attr:`KVConnectorRole.WORKER`.
         model_config: the model's shape (layers, KV heads, head size), for the size of what moves.
         block_size: tokens per KV block.
     """
+
+    # Whether its worker side can run on each of several tensor-parallel ranks (see bind_tensor_parallel).
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, model_config: LlamaConfig,
                  block_size: int) -> None:
@@ -75,6 +83,9 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         self._connector_metadata: KVConnectorMetadata | None = None
         self._kv_caches: list[KVCache] = []
         self._kv_cache_manager: KVCacheManager | None = None
+        # Worker side, one rank of several: the group, and the global indices of the KV heads this rank caches.
+        self._tp_group: TensorParallelGroup | None = None
+        self._kv_heads: list[int] | None = None
 
     @property
     def role(self) -> KVConnectorRole:
@@ -89,6 +100,17 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         """The model runner's paged cache: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks,
         block_size, num_kv_heads, head_dim]``. Loads write into it, saves read from it."""
         self._kv_caches = kv_caches
+
+    def bind_tensor_parallel(self, tp_group: TensorParallelGroup, kv_heads: list[int]) -> None:
+        """Worker side, on one of several tensor-parallel ranks: the group, and the global indices of the KV heads
+        this rank's cache holds (its cache is ``[num_blocks, block_size, len(kv_heads), head_dim]`` per layer).
+
+        Raises:
+            ValueError: this connector class does not support tensor parallelism.
+        """
+        if not self.supports_tensor_parallel:
+            raise ValueError(f"{type(self).__name__} does not support tensor_parallel_size > 1")
+        self._tp_group, self._kv_heads = tp_group, list(kv_heads)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward pass: this step's plan from the scheduler side."""

@@ -28,6 +28,11 @@ class KVConnectorFactory:
             ValueError: an unknown connector name (the known ones are listed), or a class that is not a
                 :class:`KVConnectorBase_V1`.
         """
+        return KVConnectorFactory.get_connector_class(config)(config, role, model_config, block_size)
+
+    @staticmethod
+    def get_connector_class(config: KVTransferConfig) -> type[KVConnectorBase_V1]:
+        """The class ``config.kv_connector`` names (raises as :meth:`create_connector`)."""
         module = config.kv_connector_module_path or _REGISTRY.get(config.kv_connector)
         if module is None:
             raise ValueError(f"unknown kv_connector {config.kv_connector!r}; built in: {sorted(_REGISTRY)} (or give "
@@ -38,4 +43,4 @@ class KVConnectorFactory:
             raise ValueError(f"cannot import {config.kv_connector!r} from {module!r}: {e}") from None
         if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
             raise ValueError(f"{module}.{config.kv_connector} is not a KVConnectorBase_V1 subclass")
-        return cls(config, role, model_config, block_size)
+        return cls

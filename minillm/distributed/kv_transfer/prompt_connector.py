@@ -15,6 +15,13 @@ A load that fails (a missing or corrupt file, a payload of the wrong shape) writ
 should have filled (:meth:`get_block_ids_with_load_errors`); the scheduler then rolls the request back to the first
 of them and recomputes from there (vLLM's ``kv_load_failure_policy="recompute"``).
 
+Under tensor parallelism (a connector with ``supports_tensor_parallel``) each rank's worker side moves the K/V of
+*every* KV head, so what is stored does not depend on the tensor-parallel size, and a prefill engine on 3 ranks can
+hand over to a decode engine on 1, or the other way round. A save all-gathers the ranks' KV heads and rank 0 stores
+the whole; a load fetches the whole and each rank keeps its own heads. The ranks all-reduce which loads failed, so
+that all of them report the same blocks: only rank 0's report reaches the scheduler. (vLLM's NIXL connector instead
+moves each rank's heads rank to rank, mapping between different tensor-parallel sizes in ``tp_mapping.py``.)
+
 vLLM counterpart: ``vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py`` (``ExampleConnector``,
 ``ReqMeta``, ``ExampleConnectorMetadata``) has the same shape of metadata (per request: tokens, slots, load or
 store). It saves in the step a request is *new*, which misses the later chunks of a chunked prompt; this one saves
@@ -199,26 +206,40 @@ class PromptKVConnector(KVConnectorBase_V1):
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PromptKVConnectorMetadata)
-        for load in meta.loads:
-            try:
-                kv = self._fetch(load)
-                expected = (len(self._kv_caches), 2, self._model_config.num_key_value_heads,
-                            self._model_config.head_dim)
-                got = (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) if kv.dim() == 5 else tuple(kv.shape)
-                if got != expected or kv.shape[2] < load.end:
-                    raise KVLoadError(f"the stored K/V has shape {tuple(kv.shape)}; this load needs [{expected[0]}, "
-                                      f"2, >= {load.end}, {expected[2]}, {expected[3]}]")
-            except Exception as e:  # noqa: BLE001 - whatever broke (a reader's own error types too), recompute
+        fetched: list[torch.Tensor | None] = [self._fetch_checked(load) for load in meta.loads]
+        if self._tp_group is not None and meta.loads:
+            # Every rank must drop the same loads: only rank 0's report of failed blocks reaches the scheduler.
+            failed = torch.tensor([float(kv is None) for kv in fetched])
+            self._tp_group.all_reduce(failed, what="KV load failures")
+            fetched = [kv if not failed[i] else None for i, kv in enumerate(fetched)]
+        for load, kv in zip(meta.loads, fetched):
+            if kv is None:
                 # Nothing was written: the scheduler recomputes from the first of these blocks.
-                logger.warning("KV load of request %r failed, it will recompute: %s", load.req_id, e)
                 self._invalid_block_ids.update(load.block_ids_of_range(self._block_size))
                 self.stats["failed_loads"] += 1
                 continue
+            if self._kv_heads is not None:
+                kv = kv[:, :, :, self._kv_heads]  # this rank caches only its KV heads
             slots = load.slots(self._block_size, self._kv_caches[0][0].device)
             for layer_idx, kv_layer in enumerate(self._kv_caches):
                 scatter_kv_slots(kv_layer, slots, kv[layer_idx, :, load.start:load.end])
             self.stats["loaded_requests"] += 1
             self.stats["loaded_tokens"] += load.end - load.start
+
+    def _fetch_checked(self, load: ReqMeta) -> torch.Tensor | None:
+        """The stored K/V of ``load``, every KV head, checked against this model; ``None`` (and a warning) if it
+        cannot be had whole."""
+        try:
+            kv = self._fetch(load)
+            expected = (len(self._kv_caches), 2, self._model_config.num_key_value_heads, self._model_config.head_dim)
+            got = (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) if kv.dim() == 5 else tuple(kv.shape)
+            if got != expected or kv.shape[2] < load.end:
+                raise KVLoadError(f"the stored K/V has shape {tuple(kv.shape)}; this load needs [{expected[0]}, 2, "
+                                  f">= {load.end}, {expected[2]}, {expected[3]}]")
+        except Exception as e:  # noqa: BLE001 - whatever broke (a reader's own error types too), recompute
+            logger.warning("KV load of request %r failed, it will recompute: %s", load.req_id, e)
+            return None
+        return kv
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         return  # loads are complete when start_load_kv returns
@@ -240,9 +261,25 @@ class PromptKVConnector(KVConnectorBase_V1):
             if len(layers) != len(self._kv_caches):
                 raise RuntimeError(f"request {save.req_id!r}: {len(layers)} of {len(self._kv_caches)} layers were "
                                    f"saved in this step; save_kv_layer must run in every attention layer")
-            self._store(save, torch.stack([layers[i] for i in range(len(self._kv_caches))]).cpu())
+            kv = torch.stack([layers[i] for i in range(len(self._kv_caches))]).cpu()
+            if self._tp_group is not None:
+                kv = self._gather_kv_heads(kv)
+            if self._tp_group is None or self._tp_group.rank == 0:  # one rank stores what all of them computed
+                self._store(save, kv)
             self.stats["saved_requests"] += 1
             self.stats["saved_tokens"] += save.end - save.start
+
+    def _gather_kv_heads(self, kv: torch.Tensor) -> torch.Tensor:
+        """``[num_layers, 2, num_tokens, num_kv_heads, head_dim]``, every KV head, from each rank's ``kv`` of its own
+        heads (an all-gather along the head dimension; when ranks outnumber KV heads, one replica of each)."""
+        assert self._tp_group is not None
+        world, heads = self._tp_group.world_size, self._model_config.num_key_value_heads
+        replicas = max(1, world // heads)  # ranks r*replicas ... hold the same heads: take the first of each
+        gathered = self._tp_group.all_gather(kv.contiguous(), dim=3, what="KV heads of a saved prompt")
+        n = kv.shape[3]
+        full = torch.cat([gathered.narrow(3, r * n, n) for r in range(0, world, replicas)], dim=3)
+        assert full.shape[3] == heads, (tuple(full.shape), heads)
+        return full
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid_block_ids = self._invalid_block_ids, set()

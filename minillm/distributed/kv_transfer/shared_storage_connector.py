@@ -43,7 +43,14 @@ def prompt_key(token_ids: list[int]) -> str:
 
 class SharedStorageConnector(PromptKVConnector):
     """Save and load whole prompts' K/V as files under ``kv_connector_extra_config["shared_storage_path"]``
-    (default: ``<tmp>/minillm_kv``)."""
+    (default: ``<tmp>/minillm_kv``).
+
+    Under tensor parallelism the files hold every KV head all the same (rank 0 writes what the ranks all-gathered;
+    each rank reads the files and keeps its heads), so engines of different tensor-parallel sizes share them. vLLM's
+    ``ExampleConnector`` does not take tensor parallelism into account: every rank would write the same file names.
+    """
+
+    supports_tensor_parallel = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

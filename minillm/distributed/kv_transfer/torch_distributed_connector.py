@@ -79,6 +79,9 @@ class TorchDistributedConnector(PromptKVConnector):
 
     Waiting happens in threads, never in the engine's step: gloo's send and receive handles only say they are done
     through a blocking ``wait()``, so the producer waits for each send in a thread, and the consumer receives in one.
+
+    Not under tensor parallelism: its peer is one process with one process group, and the ranks of a tensor-parallel
+    engine would each need a peer of their own (vLLM's NIXL connector pairs the ranks of the two engines).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

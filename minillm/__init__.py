@@ -21,7 +21,8 @@ The engine's spine, in the order a request meets it (each module names its vLLM 
     model/, attention/, sample/                 the Llama model, paged attention, sampling
 
 Beside the spine: ``loaders/`` (GGUF and Hugging Face checkpoints), ``distributed/`` (context and tensor parallelism,
-KV connectors: chapters 7 and 9), ``spec_decode/`` (n-gram drafts). Layers only point down: the core and the worker
+KV connectors: chapters 7 and 9, whose jobs run on the executor's ``MultiprocExecutor`` with full-model workers),
+``spec_decode/`` (n-gram drafts). Layers only point down: the core and the worker
 never import the engine, which hands its replaceable parts down as plain functions (``engine/parts.py``).
 
 ``course/`` is not the engine: the notebooks' widgets, the exercise checks, the fake runners of chapter 4, the

@@ -104,5 +104,9 @@ def test_bf16_greedy_tokens_match_transformers_bf16(bf16_models, tokenizer):
             reference.append(out[0, len(p):].tolist())
     same = compare_greedy(engine_tokens, reference, theirs, workload)
     assert same["real_divergences"] == 0, (same, engine_tokens, reference)
-    assert same["identical"] >= len(prompts) - 2, same  # a tie is rare: most sequences are equal outright
+    # How many of the 8 meet a tie within 12 tokens depends on the CPU's bf16 matmuls (their blocking depends on the
+    # batch's rows, and ours batches every prompt): 6 or more were identical on an AMD EPYC with AVX512-BF16, 2-3 on an
+    # Intel Xeon with AMX, whose ties were 0 or 0.125 wide (one bf16 step). The oracle is that every difference is
+    # such a tie; that one sequence at least is identical to the end rules out an engine off everywhere by a hair.
+    assert same["identical"] >= 1, same
     assert all(g < TIE_GAPS[torch.bfloat16] for g in same["tie_gaps"])

@@ -138,27 +138,30 @@ def test_a_kv_connector_runs_on_every_rank_whatever_the_two_engines_tp_sizes(tmp
         return LLMEngine(model, None, EngineArgs(tensor_parallel_size=tp, kv_transfer_config=_storage(path, role,
                                                                                                       **extra), **args))
 
-    for prefill_tp, decode_tp in [(1, 2), (2, 4)]:
-        path = tmp_path / f"{prefill_tp}-{decode_tp}"
-        prefill, decode = make(prefill_tp, path, "kv_producer"), make(decode_tp, path, "kv_consumer")
-        try:
-            assert prefill_then_decode(prefill, decode, prompts, greedy) == reference, (prefill_tp, decode_tp)
-            for eng, tp in ((prefill, prefill_tp), (decode, decode_tp)):
-                stats = eng.model_executor.collective_rpc(_connector_stats)
-                assert len(stats) == tp and all(s == stats[0] for s in stats)  # every rank moved its share
-            assert stats[0]["loaded_requests"] == len(prompts) and stats[0]["failed_loads"] == 0
-            assert decode.stats.num_external_prompt_tokens + decode.stats.num_cached_prompt_tokens == \
-                sum(len(p) - 1 for p in prompts)
-        finally:
-            prefill.shutdown()
-            decode.shutdown()
+    # One process and 2 ranks store the same prompts; 4 ranks (each KV head on 2 of them) decode from what 2 stored.
+    for tp, path in ((1, tmp_path / "tp1"), (2, tmp_path / "tp2")):
+        prefill = make(tp, path, "kv_producer")
+        run_requests(prefill, [(f"req-{i}", p, greedy.clone(max_tokens=1)) for i, p in enumerate(prompts)])
+        saved = prefill.model_executor.collective_rpc(_connector_stats)
+        assert len(saved) == tp and all(s == saved[0] for s in saved) and saved[0]["saved_requests"] == len(prompts)
+        prefill.shutdown()
+    decode = make(4, tmp_path / "tp2", "kv_consumer")
+    try:
+        got = run_requests(decode, [(f"req-{i}", p, greedy) for i, p in enumerate(prompts)])
+        loaded = decode.model_executor.collective_rpc(_connector_stats)
+        assert decode.stats.num_external_prompt_tokens + decode.stats.num_cached_prompt_tokens == \
+            sum(len(p) - 1 for p in prompts)
+    finally:
+        decode.shutdown()
+    assert got == reference
+    assert len(loaded) == 4 and all(s == loaded[0] for s in loaded)  # every rank loaded its share
+    assert loaded[0]["loaded_requests"] == len(prompts) and loaded[0]["failed_loads"] == 0
     # What 2 ranks stored is what one process stores: every KV head, the same numbers to fp32 rounding (the ranks
-    # sum the projections' partial products in another order).
-    single, split = (tmp_path / "1-2", tmp_path / "2-4")
+    # sum the projections' partial products in another order). So a decode engine of any size can read either.
     for key in (prompt_key(p) for p in prompts):
         for layer in range(TINY.num_hidden_layers):
-            one, two = (safetensors.torch.load_file(str(d / key / f"layer_{layer}.safetensors"))["kv"]
-                        for d in (single, split))
+            one, two = (safetensors.torch.load_file(str(tmp_path / d / key / f"layer_{layer}.safetensors"))["kv"]
+                        for d in ("tp1", "tp2"))
             assert one.shape[0] == 2 and one.shape[2:] == (TINY.num_key_value_heads, TINY.head_dim)
             torch.testing.assert_close(two, one, atol=1e-5, rtol=0)
 
@@ -190,26 +193,25 @@ def _rank_plus(worker, extra: int = 0) -> tuple[int, int]:
     return worker.rank + extra, len(worker.model_runner.kv_caches)
 
 
-def test_collective_rpc_runs_a_function_on_every_worker_and_refuses_what_cannot_travel():
+def check_collective_rpc(ex) -> None:
+    """``collective_rpc`` runs a function on every worker (or one), and refuses in the caller what cannot travel."""
+    assert ex.collective_rpc(_rank_plus, (10,)) == [(10, TINY.num_hidden_layers), (11, TINY.num_hidden_layers)]
+    assert ex.collective_rpc(_rank_plus, kwargs={"extra": 5}, unique_reply_rank=1)[0] == 6
+    for bad, match in [("no_such_method", "Worker has no method 'no_such_method'"),
+                       (lambda worker: 0, "module-level function"), (42, "module-level function")]:
+        with pytest.raises(ValueError, match=match):
+            ex.collective_rpc(bad)
+    with pytest.raises(ValueError, match=r"unique_reply_rank must be None or an int in \[0, 2\), got 2"):
+        ex.collective_rpc("describe", unique_reply_rank=2)
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0, got 0"):
+        ex.collective_rpc("describe", timeout_s=0)
+    assert not ex.is_failed and [d["rank"] for d in ex.collective_rpc("describe")] == [0, 1]  # still serving
+
+
+def test_collective_rpc_runs_a_function_in_process_too():
     one = engine(1, num_gpu_blocks=40, block_size=4, max_model_len=64)
     assert one.model_executor.collective_rpc(_rank_plus, (10,)) == [(10, TINY.num_hidden_layers)]
     one.shutdown()
-    eng = engine(2, num_gpu_blocks=40, block_size=4, max_model_len=64)
-    try:
-        ex = eng.model_executor
-        assert ex.collective_rpc(_rank_plus, (10,)) == [(10, TINY.num_hidden_layers), (11, TINY.num_hidden_layers)]
-        assert ex.collective_rpc(_rank_plus, kwargs={"extra": 5}, unique_reply_rank=1)[0] == 6
-        for bad, match in [("no_such_method", "Worker has no method 'no_such_method'"),
-                           (lambda worker: 0, "module-level function"), (42, "module-level function")]:
-            with pytest.raises(ValueError, match=match):
-                ex.collective_rpc(bad)
-        with pytest.raises(ValueError, match=r"unique_reply_rank must be None or an int in \[0, 2\), got 2"):
-            ex.collective_rpc("describe", unique_reply_rank=2)
-        with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0, got 0"):
-            ex.collective_rpc("describe", timeout_s=0)
-        assert not ex.is_failed and [d["rank"] for d in ex.collective_rpc("describe")] == [0, 1]  # still serving
-    finally:
-        eng.shutdown()
 
 
 def test_a_killed_rank_gives_engine_dead_error_naming_it_within_10_seconds():
@@ -302,6 +304,7 @@ def test_no_rank_outlives_del_or_shutdown():
     assert all(wait_gone(pid) for pid in pids), "deleting the engine must stop its ranks"
     eng = engine(2, num_gpu_blocks=40, block_size=4, max_model_len=64)
     pids = rank_pids(eng)
+    check_collective_rpc(eng.model_executor)  # on this engine, rather than start one more
     eng.shutdown()
     assert all(wait_gone(pid) for pid in pids)
     with pytest.raises(EngineDeadError, match="shut down"):

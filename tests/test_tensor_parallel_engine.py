@@ -124,46 +124,52 @@ def _storage(path, role: str, **extra) -> dict:
             "kv_connector_extra_config": {"shared_storage_path": str(path), **extra}}
 
 
-def test_a_kv_connector_runs_on_every_rank_whatever_the_two_engines_tp_sizes(tmp_path):
-    """Chapter 9's prefill and decode engines through files, at different tensor-parallel sizes: the files hold
-    every KV head whatever the size, each rank saves (all-gathered) and loads (its heads) its share."""
+def test_a_kv_connector_runs_on_every_rank_whatever_the_tp_sizes(tmp_path):
+    """Chapter 9's connector through files, on 4 ranks that each hold one of the tiny model's 2 KV heads (each head
+    on 2 ranks): a save all-gathers one replica of each head, a load keeps each rank's own; the files are one
+    process's, so engines of different tensor-parallel sizes share them."""
     prompts = [list(range(1 + i, 23 + 3 * i)) for i in range(4)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    # No prefix cache: the second pass must load from the files, not hit the engine's own blocks.
     args = dict(block_size=4, num_gpu_blocks=120, max_model_len=128, max_num_batched_tokens=16,
-                enable_prefix_caching=True, enable_chunked_prefill=True)
-    reference = run_requests(engine(1, **args), [(f"req-{i}", p, greedy) for i, p in enumerate(prompts)])
+                enable_chunked_prefill=True, enable_prefix_caching=False)
     model = tiny_model()
 
-    def make(tp: int, path, role: str, **extra) -> LLMEngine:
-        return LLMEngine(model, None, EngineArgs(tensor_parallel_size=tp, kv_transfer_config=_storage(path, role,
-                                                                                                      **extra), **args))
+    def make(tp: int, path, role: str) -> LLMEngine:
+        return LLMEngine(model, None, EngineArgs(tensor_parallel_size=tp, kv_transfer_config=_storage(path, role),
+                                                 **args))
 
-    # One process and 2 ranks store the same prompts; 4 ranks (each KV head on 2 of them) decode from what 2 stored.
-    for tp, path in ((1, tmp_path / "tp1"), (2, tmp_path / "tp2")):
-        prefill = make(tp, path, "kv_producer")
-        run_requests(prefill, [(f"req-{i}", p, greedy.clone(max_tokens=1)) for i, p in enumerate(prompts)])
-        saved = prefill.model_executor.collective_rpc(_connector_stats)
-        assert len(saved) == tp and all(s == saved[0] for s in saved) and saved[0]["saved_requests"] == len(prompts)
-        prefill.shutdown()
-    decode = make(4, tmp_path / "tp2", "kv_consumer")
+    def requests(tag: str) -> list:
+        return [(f"{tag}-{i}", p, greedy) for i, p in enumerate(prompts)]
+
+    one = make(1, tmp_path / "tp1", "kv_producer")
+    reference = run_requests(one, requests("req"))      # one process: the tokens, and the files
+    one.shutdown()
+    four = make(4, tmp_path / "tp4", "kv_both")         # saves what it computes, loads what is there
     try:
-        got = run_requests(decode, [(f"req-{i}", p, greedy) for i, p in enumerate(prompts)])
-        loaded = decode.model_executor.collective_rpc(_connector_stats)
-        assert decode.stats.num_external_prompt_tokens + decode.stats.num_cached_prompt_tokens == \
-            sum(len(p) - 1 for p in prompts)
+        first = run_requests(four, requests("first"))    # nothing stored yet: computed, then saved
+        second = run_requests(four, requests("second"))  # the same prompts: loaded from the files
+        stats = four.model_executor.collective_rpc(_connector_stats)
+        external = four.stats.num_external_prompt_tokens
     finally:
-        decode.shutdown()
-    assert got == reference
-    assert len(loaded) == 4 and all(s == loaded[0] for s in loaded)  # every rank loaded its share
-    assert loaded[0]["loaded_requests"] == len(prompts) and loaded[0]["failed_loads"] == 0
-    # What 2 ranks stored is what one process stores: every KV head, the same numbers to fp32 rounding (the ranks
-    # sum the projections' partial products in another order). So a decode engine of any size can read either.
+        four.shutdown()
+    assert [first[f"first-{i}"] for i in range(4)] == [second[f"second-{i}"] for i in range(4)] == \
+        [reference[f"req-{i}"] for i in range(4)]
+    assert len(stats) == 4 and all(s == stats[0] for s in stats)  # every rank saved and loaded its share
+    assert (stats[0]["saved_requests"], stats[0]["loaded_requests"], stats[0]["failed_loads"]) == (4, 4, 0)
+    assert external == sum(len(p) - 1 for p in prompts)
+    # What 4 ranks stored is what one process stores: every KV head once, the same numbers to fp32 rounding (the
+    # ranks sum the projections' partial products in another order). And one process decodes from it.
     for key in (prompt_key(p) for p in prompts):
         for layer in range(TINY.num_hidden_layers):
-            one, two = (safetensors.torch.load_file(str(tmp_path / d / key / f"layer_{layer}.safetensors"))["kv"]
-                        for d in ("tp1", "tp2"))
-            assert one.shape[0] == 2 and one.shape[2:] == (TINY.num_key_value_heads, TINY.head_dim)
-            torch.testing.assert_close(two, one, atol=1e-5, rtol=0)
+            ref, got = (safetensors.torch.load_file(str(tmp_path / d / key / f"layer_{layer}.safetensors"))["kv"]
+                        for d in ("tp1", "tp4"))
+            assert ref.shape[0] == 2 and ref.shape[2:] == (TINY.num_key_value_heads, TINY.head_dim)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    decode = make(1, tmp_path / "tp4", "kv_consumer")
+    assert run_requests(decode, requests("req")) == reference
+    assert decode.stats.num_external_prompt_tokens == sum(len(p) - 1 for p in prompts)
+    decode.shutdown()
 
 
 def test_ranks_agree_on_a_load_that_failed_on_one_of_them(tmp_path):

@@ -19,7 +19,7 @@ import torch
 from minillm.distributed.context_parallel import STRATEGIES, RankPrefillOutput, context_parallel_forward
 from minillm.distributed.jobs import JobExecutor, WorkerContext, check_input_ids
 from minillm.distributed.splits import ContextSplit, make_split
-from minillm.executor.multiproc_executor import WorkerError, check_timeout
+from minillm.executor.multiproc_executor import WorkerError
 from minillm.sampling_params import is_int
 
 
@@ -126,8 +126,6 @@ class ContextParallelExecutor(JobExecutor):
         config = self._configs[model]
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if timeout_s is not None:
-            check_timeout("timeout_s", timeout_s)
         if fail_rank is not None and (not is_int(fail_rank) or not 0 <= fail_rank < world_size):
             raise ValueError(f"fail_rank must be None or an int in [0, {world_size}), got {fail_rank!r}")
         if not is_int(fail_at_layer) or not 0 <= fail_at_layer < config.num_hidden_layers:

@@ -22,9 +22,8 @@ from typing import Any
 import torch
 
 from minillm.config import LlamaConfig
-from minillm.distributed.parallel_state import TensorParallelGroup
-from minillm.executor.multiproc_executor import (MultiprocExecutor, WorkerError, check_importable_function,
-                                                 check_timeout)
+from minillm.distributed.parallel_state import TensorParallelGroup, check_timeout
+from minillm.executor.multiproc_executor import MultiprocExecutor, WorkerError, check_importable_function
 from minillm.sampling_params import is_int
 
 # Beyond the job's own timeout (which every collective inside it uses), how long the caller waits for its answer:

@@ -31,6 +31,13 @@ from minillm.distributed.comm import CollectiveError, _wait
 from minillm.sampling_params import is_int
 
 
+def check_timeout(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite number of seconds > 0, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 class TensorParallelGroup:
     """The ranks of one tensor-parallel group, seen from one of them.
 
@@ -58,11 +65,8 @@ class TensorParallelGroup:
     """
 
     def __init__(self, group: Any | None, timeout_s: float = 60.0) -> None:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0 \
-                or timeout_s == float("inf"):
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
         self.group = group
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = check_timeout("timeout_s", timeout_s)
         if group is None:
             self.rank, self.world_size = 0, 1
         else:

@@ -54,6 +54,7 @@ from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from minillm.distributed.parallel_state import check_timeout
 from minillm.executor.abstract import Executor
 from minillm.system_utils import watch_parent
 
@@ -299,13 +300,6 @@ class MultiprocExecutor(Executor):
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self._finalizer()
-
-
-def check_timeout(name: str, value: object) -> float:
-    """``value`` as a float if it is a finite number of seconds > 0, else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 def _check_method(method: object, worker_cls: type) -> None:

@@ -152,9 +152,12 @@ def test_async_scheduling_is_refused_with_ngram_drafts_and_a_learners_scheduler(
     with pytest.raises(ValueError, match="Async scheduling is not supported by the V1 model runner with "
                                          "ngram-based speculative decoding"):
         EngineArgs(async_scheduling=True, speculative_config=spec)
-    assert not EngineArgs(speculative_config=spec).resolved_async_scheduling(multiprocess=True)
-    assert EngineArgs().resolved_async_scheduling(multiprocess=True)
-    assert not EngineArgs().resolved_async_scheduling(multiprocess=False)
+    # vLLM v0.33.0 by platform: None is on for a GPU unless incompatible, off on a CPU; True asks for it anywhere.
+    assert not EngineArgs(speculative_config=spec).resolved_async_scheduling("cuda")
+    assert EngineArgs().resolved_async_scheduling("cuda") and EngineArgs().resolved_async_scheduling("cuda:1")
+    assert not EngineArgs().resolved_async_scheduling("cpu")
+    assert EngineArgs(async_scheduling=True).resolved_async_scheduling("cpu")
+    assert not EngineArgs(async_scheduling=False).resolved_async_scheduling("cuda")
     with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
         EngineArgs(async_scheduling="yes")
 

@@ -148,12 +148,15 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
 
 @pytest.mark.slow
 def test_a_whole_run_on_the_tiny_model(tmp_path):
-    """The three engines give the same tokens, their timelines keep the core's order, the report and its JSON have
+    """The four engines give the same tokens (the worker process of (d) included), their timelines keep the core's order, the report and its JSON have
     every key, the figure is written, and no engine-core process is left (run_benchmark shuts them down)."""
     workload = tiny_workload(5)
     model = tiny_model()
     report = run_benchmark(workload, model=model, engine_args=ARGS, repeat=2)
-    assert report["async_scheduling"] == {"inproc_sync": False, "mp_async": True, "mp_sync": False}
+    assert report["async_scheduling"] == {"inproc_sync": False, "mp_async": True, "mp_sync": False,
+                                          "mp_sync_worker": False}
+    # A worker process costs start-up (spawn, imports, the model through shared memory): (d) starts after (c).
+    assert report["startup_s"]["mp_sync_worker"] > report["startup_s"]["mp_sync"] > 0
     for what, same in report["greedy"].items():
         assert same["identical"] == len(workload.prompts), (what, same)
     runs = report["runs"]
@@ -166,15 +169,15 @@ def test_a_whole_run_on_the_tiny_model(tmp_path):
     assert {"num_requests", "dtype", "dtype_reason", "cpu_capability", "ipc", "throughput", "ratios", "greedy",
             "timeline", "async_scheduling"} <= set(data)
     assert set(data["throughput"]) == set(data["timeline"]) == set(ENGINES)
-    assert set(data["ratios"]) == {"b/a", "c/a"} and all(v > 0 for v in data["ratios"].values())
+    assert set(data["ratios"]) == {"b/a", "c/a", "d/c"} and all(v > 0 for v in data["ratios"].values())
     assert {"overlap_fraction", "schedule_ms", "update_ms", "gap_ms_median", "gaps_s"} <= set(
         data["timeline"]["mp_async"])
     assert {"plan_bytes", "full_plan_bytes", "full_over_diff", "outputs_bytes", "plan_us_median",
             "plan_us_p90"} <= set(data["ipc"]["decode"])
     text = format_report(report)
-    assert "b/a = " in text and "where the time goes" in text and "(b) own process, async scheduling" in text
+    assert "b/a = " in text and "d/c = " in text and "(d) (c) + worker process (vLLM on CPU)" in text and "where the time goes" in text and "(b) own process, async scheduling" in text
     plot_timeline(runs["mp_async"].timeline, str(tmp_path / "timeline.png"))
     assert (tmp_path / "timeline.png").stat().st_size > 1000
-    assert set(report["core_pids"]) == {"mp_async", "mp_sync"}
+    assert set(report["core_pids"]) == {"mp_async", "mp_sync", "mp_sync_worker"}
     for name, pid in report["core_pids"].items():
         assert wait_gone(pid), f"the engine core of {name} (pid {pid}) is still running"

@@ -53,7 +53,7 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-def mp_engine(async_scheduling: bool | None = None, asyncio_mode: bool = False, **args) -> LLMEngine:
+def mp_engine(async_scheduling: bool | None = True, asyncio_mode: bool = False, **args) -> LLMEngine:
     return LLMEngine(tiny_model(), None, EngineArgs(async_scheduling=async_scheduling, **(args or ARGS)),
                      multiprocess_mode=True, asyncio_mode=asyncio_mode)
 
@@ -63,11 +63,11 @@ def reference() -> dict[str, list[int]]:
     return run(LLMEngine(tiny_model(), None, EngineArgs(**ARGS)), workload(seed=7, seeded_sampling=True))
 
 
-@pytest.mark.parametrize("async_scheduling", [None, False], ids=["async (the default)", "sync"])
+@pytest.mark.parametrize("async_scheduling", [True, None], ids=["async", "sync (the CPU default)"])
 def test_sync_mp_client_gives_the_in_process_tokens(reference, async_scheduling):
     engine = mp_engine(async_scheduling)
     try:
-        assert engine.async_scheduling is (async_scheduling is None)
+        assert engine.async_scheduling is bool(async_scheduling)
         assert engine.engine_core.ready["async_scheduling"] is engine.async_scheduling
         pid = engine.engine_core.proc.pid
         assert pid != os.getpid() and psutil.Process(pid).is_running()

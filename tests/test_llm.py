@@ -18,8 +18,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 @pytest.fixture(scope="module", params=["engine-core process", "in-process"])
 def llm(smollm, request):
-    """``LLM``'s default (the engine core in its own process, async scheduling) and the in-process engine
-    (``MINILLM_ENABLE_V1_MULTIPROCESSING=0``): every test below holds for both."""
+    """``LLM``'s default (the engine core in its own process; on a CPU synchronous, as vLLM v0.33.0 runs it there)
+    and the in-process engine (``MINILLM_ENABLE_V1_MULTIPROCESSING=0``): every test below holds for both.
+    (Async scheduling through the process: tests/test_engine_core_process.py.)"""
     model, tok = smollm
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MINILLM_ENABLE_V1_MULTIPROCESSING", "1" if request.param == "engine-core process" else "0")

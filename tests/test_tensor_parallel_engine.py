@@ -113,6 +113,40 @@ def test_smollm2_on_2_ranks_is_refused_with_vllms_message():
                                                                "kv_role": "kv_producer"})
 
 
+def test_one_worker_in_a_process_of_its_own_gives_the_same_tokens():
+    """vLLM v0.33.0's CPU layout at one rank: ``distributed_executor_backend="mp"`` (what ``CpuPlatform.
+    check_and_update_config`` turns "uni" into) runs the whole model in one worker process; same tokens as the worker
+    in this process, and the process is gone after shutdown."""
+    requests = workload(seed=3, seeded_sampling=True)
+    args = CONFIGS["tight cache: preemption"]
+    want = run(engine(1, **args), requests)
+    eng = engine(1, distributed_executor_backend="mp", **args)
+    try:
+        assert isinstance(eng.model_executor, MultiprocExecutor) and eng.model_executor.world_size == 1
+        (pid,) = rank_pids(eng)
+        assert pid != os.getpid() and psutil.Process(pid).is_running()
+        assert run(eng, requests) == want
+        assert eng.stats.num_preemptions > 0
+    finally:
+        eng.shutdown()
+    assert wait_gone(pid), f"the worker process {pid} outlived shutdown()"
+
+
+def test_executor_backend_is_checked():
+    assert EngineArgs().resolved_distributed_executor_backend() == "uni"
+    assert EngineArgs(tensor_parallel_size=2).resolved_distributed_executor_backend() == "mp"
+    assert EngineArgs(distributed_executor_backend="mp").resolved_distributed_executor_backend() == "mp"
+    with pytest.raises(ValueError, match=r"distributed_executor_backend must be one of \('uni', 'mp'\) or None, "
+                                         r"got 'ray'"):
+        EngineArgs(distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 'mp'"):
+        EngineArgs(distributed_executor_backend="uni", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="TorchDistributedConnector does not support tensor_parallel_size > 1 or "
+                                         "worker processes"):
+        EngineArgs(distributed_executor_backend="mp", kv_transfer_config={
+            "kv_connector": "TorchDistributedConnector", "kv_role": "kv_producer"})
+
+
 def _connector_stats(worker) -> dict[str, int]:
     """Run on each rank by ``collective_rpc``: that rank's connector counters (each rank has its own worker side)."""
     return dict(worker.model_runner.kv_connector.stats)

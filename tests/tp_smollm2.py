@@ -1,8 +1,8 @@
 """SmolLM2 served on 3 tensor-parallel ranks (``make test-tp``; about 3 minutes with the OpenAI server tests).
 
 Kept out of ``make test``: the tiny model's tensor-parallel tests there (``tests/test_tensor_parallel_engine.py``)
-cover the same code in seconds. Here: ``LLM(tensor_parallel_size=3)`` (its engine-core process starts three ranks,
-async scheduling on) gives the greedy tokens of one process on the shared test prompts, chat-templated ones
+cover the same code in seconds. Here: ``LLM(tensor_parallel_size=3, async_scheduling=True)`` (its engine-core process starts three
+ranks) gives the greedy tokens of one process on the shared test prompts, chat-templated ones
 included, with chunked prefill and prefix-cache hits; ``python -m minillm serve --tensor-parallel-size 3`` stops
 cleanly on SIGTERM with a request in flight, and leaves no process behind. ``make test-tp`` also runs
 ``tests/test_server.py`` against ``--tensor-parallel-size 3`` (``MINILLM_TEST_SERVER_ARGS``).
@@ -43,7 +43,8 @@ def test_smollm2_at_tp3_gives_the_tokens_of_one_process():
     finally:
         one.shutdown()
     assert "Paris" in paris
-    llm = LLM(max_model_len=512, tensor_parallel_size=3, max_num_batched_tokens=32)  # chunked prefill
+    llm = LLM(max_model_len=512, tensor_parallel_size=3, max_num_batched_tokens=32,  # chunked prefill
+              async_scheduling=True)
     try:
         core = psutil.Process(llm.llm_engine.engine_core.proc.pid)
         ranks = [p for p in core.children() if "multiprocessing" in " ".join(p.cmdline())]

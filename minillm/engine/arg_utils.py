@@ -57,6 +57,7 @@ def available_memory_bytes(device: str) -> int:
 
 
 SPECULATIVE_METHODS = ("ngram",)
+EXECUTOR_BACKENDS = ("uni", "mp")
 _SPEC_KEYS = {"method": None, "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -128,11 +129,21 @@ class EngineArgs:
         device: ``"cpu"``, ``"cuda"``; ``None``: a GPU if there is one.
         seed: seeds the global generator that unseeded random sampling uses.
         async_scheduling: schedule step N+1 while step N runs (:mod:`minillm.core.sched.async_scheduler`).
-            ``None`` (default): vLLM v0.33.0's rule, on unless something incompatible is configured (n-gram
-            speculative decoding), for the engine core in its own process (``LLM``, ``serve``, ``bench``). The
-            in-process engine the notebooks build with ``LLMEngine(model, ...)`` to look inside stays synchronous
-            unless asked, so that each ``step()`` is one plan and its outputs. ``True`` with n-gram drafts raises
-            vLLM's error.
+            ``None`` (default): what vLLM v0.33.0 resolves on the device the model runs on. On a GPU, on unless
+            something incompatible is configured (n-gram speculative decoding), in-process or not
+            (``vllm/config/vllm.py:VllmConfig.__post_init__``). On a CPU, off: the platform hook has the last word
+            and sets it to ``False`` ("async scheduling is not required on CPU",
+            ``vllm/platforms/cpu.py:CpuPlatform.check_and_update_config``). ``True`` asks for it on either device
+            (vLLM's CPU hook turns even an explicit ``True`` off; minillm honours it so that chapter 10 can show
+            it); with n-gram drafts it raises vLLM's error.
+        distributed_executor_backend: where the worker(s) run. ``"uni"``: one worker in the engine core's process
+            (:class:`~minillm.executor.uniproc_executor.UniProcExecutor`); ``"mp"``: one worker process per rank
+            (:class:`~minillm.executor.multiproc_executor.MultiprocExecutor`). ``None`` (default): ``"uni"`` for
+            one rank, ``"mp"`` for several, as v0.33.0's ``ParallelConfig`` resolves it. vLLM's CPU hook then turns
+            ``"uni"`` into ``"mp"`` when the engine core has its own process ("OMP requires the MP executor"):
+            ask for ``"mp"`` to run that layout. minillm keeps ``"uni"`` by default because a worker process costs
+            each engine about 2.5 s of start-up on a 2-core CPU and nothing per step (``bench/engine_core.py``),
+            and its engine core already runs every PyTorch op on the one thread that set the threads up.
         tensor_parallel_size: ranks (worker processes) the model is split over, Megatron-style (chapter 10); 1: the
             whole model in the engine core's process. Each rank caches only its KV heads, so a memory budget holds
             ``tensor_parallel_size`` times the blocks while ranks do not outnumber the KV heads. CPU only here
@@ -160,6 +171,7 @@ class EngineArgs:
     device: str | None = None
     seed: int = 0
     async_scheduling: bool | None = None
+    distributed_executor_backend: str | None = None
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -215,7 +227,7 @@ class EngineArgs:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None (vLLM's rule), got "
                              f"{self.async_scheduling!r}")
-        self.resolved_async_scheduling(multiprocess=True)  # an explicit True must be possible
+        self.resolved_async_scheduling("cpu")  # an explicit True must be possible
         device = self.device or default_device()
         if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
@@ -224,17 +236,26 @@ class EngineArgs:
         parse_dtype(self.dtype, device)
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1:
-            if device != "cpu":
-                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} runs its ranks on the CPU over "
-                                 f"gloo here; device {device!r} is not supported with it (vLLM uses NCCL on GPUs)")
-            if self.kv_transfer_config is not None:
-                from minillm.distributed.kv_transfer.factory import KVConnectorFactory
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS} or None, got {backend!r}")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one worker in the engine core's process; "
+                             f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' (or None)")
+        if backend == "mp" and device != "cpu":
+            raise ValueError(f"distributed_executor_backend='mp' runs its workers on the CPU over gloo here; device "
+                             f"{device!r} needs 'uni' (or None)")
+        if self.tensor_parallel_size > 1 and device != "cpu":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} runs its ranks on the CPU over "
+                             f"gloo here; device {device!r} is not supported with it (vLLM uses NCCL on GPUs)")
+        if self.kv_transfer_config is not None and self.resolved_distributed_executor_backend() == "mp":
+            from minillm.distributed.kv_transfer.factory import KVConnectorFactory
 
-                connector = KVConnectorFactory.get_connector_class(self.kv_transfer_config)
-                if not connector.supports_tensor_parallel:
-                    raise ValueError(f"the KV connector {connector.__name__} does not support tensor_parallel_size > "
-                                     f"1 (SharedStorageConnector does); use tensor_parallel_size=1 with it")
+            connector = KVConnectorFactory.get_connector_class(self.kv_transfer_config)
+            if not connector.supports_tensor_parallel:
+                raise ValueError(f"the KV connector {connector.__name__} does not support tensor_parallel_size > "
+                                 f"1 or worker processes (SharedStorageConnector does); use tensor_parallel_size=1 "
+                                 f"and distributed_executor_backend='uni' with it")
 
     def async_scheduling_incompatibility(self) -> str | None:
         """What configured here rules async scheduling out, as vLLM v0.33.0 words it; ``None`` if nothing."""
@@ -243,13 +264,13 @@ class EngineArgs:
             return f"{self.speculative_config['method']}-based speculative decoding"
         return None
 
-    def resolved_async_scheduling(self, multiprocess: bool) -> bool:
-        """Whether the engine core schedules one step ahead (see ``async_scheduling``).
+    def resolved_async_scheduling(self, device: str | None = None) -> bool:
+        """Whether the engine core schedules one step ahead, for a model on ``device`` (default:
+        :meth:`resolved_device`; see ``async_scheduling``).
 
-        vLLM v0.33.0's rule (``vllm/config/vllm.py:VllmConfig.__post_init__``): an explicit ``True`` fails on an
-        incompatible option with ``"Async scheduling is not supported by the V1 model runner with ..."``;
-        ``None`` turns it on unless such an option is set. minillm applies ``None``'s rule to the engine core in its
-        own process, and keeps the in-process engine (``multiprocess=False``) synchronous.
+        vLLM v0.33.0's rule: ``VllmConfig.__post_init__`` fails an explicit ``True`` on an incompatible option with
+        ``"Async scheduling is not supported by the V1 model runner with ..."`` and turns ``None`` on unless such an
+        option is set; then ``CpuPlatform.check_and_update_config`` sets it to ``False`` on a CPU.
 
         Raises:
             ValueError: ``async_scheduling=True`` with an incompatible option.
@@ -261,8 +282,15 @@ class EngineArgs:
                                  f"Leave async_scheduling unset (or False, --no-async-scheduling) to use it.")
             return True
         if self.async_scheduling is None:
-            return multiprocess and incompatible is None
+            on_gpu = (device or self.resolved_device()).startswith("cuda")
+            return on_gpu and incompatible is None
         return False
+
+    def resolved_distributed_executor_backend(self) -> str:
+        """``"uni"`` or ``"mp"`` (see ``distributed_executor_backend``)."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.tensor_parallel_size > 1 else "uni"
 
     # -- what depends on the model -------------------------------------------------------------------------------
     def resolved_device(self) -> str:

@@ -137,7 +137,7 @@ class EngineCore:
                              max_num_reqs=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len)
         self.tensor_parallel_size = args.tensor_parallel_size
         self.model_executor: Executor
-        if self.tensor_parallel_size == 1:
+        if args.resolved_distributed_executor_backend() == "uni":
             worker = Worker(model, **runner_kwargs, **self.parts.model_runner_fns())
             self.model_runner: ModelRunner | None = worker.model_runner
             self.model_executor = UniProcExecutor(worker, model_thread)
@@ -145,8 +145,9 @@ class EngineCore:
             # vLLM's rule, before any process starts: the heads must split over the ranks.
             check_tensor_parallel_config(model.config, self.tensor_parallel_size)
             if self.parts.replaced():
-                raise ValueError(f"replaced engine parts ({self.parts.replaced()}) run with tensor_parallel_size=1 "
-                                 f"only (they live in this process, the ranks in others)")
+                raise ValueError(f"replaced engine parts ({self.parts.replaced()}) run in this process only: "
+                                 f"tensor_parallel_size=1 and distributed_executor_backend='uni' (the ranks live in "
+                                 f"other processes)")
             self.model_runner = None  # each rank holds its own, in its own process
             # And its own copy of the connector's worker side: the one built here is only what the ranks start from.
             self.kv_connector_worker = None

@@ -16,12 +16,14 @@ vLLM's ``InputProcessor``) and detokenizing outputs (:class:`~minillm.engine.out
 engine core (:mod:`minillm.engine.core`) is reached through a client (:mod:`minillm.engine.core_client`):
 
 * ``LLMEngine(model, tokenizer, args)`` builds the core in this process (``InprocClient``): ``engine.scheduler``,
-  ``engine.model_runner`` and ``engine.last_scheduler_output`` are there to look at, and each ``step()`` runs one
-  synchronous step. The notebooks and the capstone use it.
+  ``engine.model_runner`` and ``engine.last_scheduler_output`` are there to look at, and on a CPU each ``step()``
+  runs one synchronous step. The notebooks and the capstone use it.
 * ``LLMEngine.from_engine_args(args)`` (what ``LLM`` calls) starts the core in a process of its own
-  (``SyncMPClient``, ``MINILLM_ENABLE_V1_MULTIPROCESSING=1``, the default) with async scheduling on unless something
-  incompatible is configured; ``step()`` then collects the outputs of steps the core runs on its own, while this
-  process detokenizes.
+  (``SyncMPClient``, ``MINILLM_ENABLE_V1_MULTIPROCESSING=1``, the default); ``step()`` then collects the outputs of
+  steps the core runs on its own, while this process detokenizes.
+
+Either way async scheduling follows vLLM v0.33.0's platform rule (``EngineArgs.async_scheduling``): off on a CPU
+unless asked for, on for a model on a GPU unless something incompatible is configured.
 
 vLLM counterpart: ``vllm/v1/engine/llm_engine.py`` (``LLMEngine.__init__`` with its ``multiprocess_mode``
 argument, ``LLMEngine.from_engine_args``, ``LLMEngine.step``, which calls the client's ``get_output``, the output
@@ -105,7 +107,9 @@ class LLMEngine:
         self.engine_args = args
         self.tokenizer = tokenizer
         self.multiprocess_mode = multiprocess_mode
-        self.async_scheduling = args.resolved_async_scheduling(multiprocess_mode)
+        # vLLM v0.33.0 decides by platform, not by process: on for a model on a GPU, off on a CPU (unless asked).
+        device = model.device.type if model is not None else args.resolved_device()
+        self.async_scheduling = args.resolved_async_scheduling(device)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self._core: EngineCore | None = None
         if asyncio_mode and not multiprocess_mode:

@@ -50,7 +50,8 @@ class LLM:
             ``enable_chunked_prefill``, ``enable_prefix_caching``, ``attention_backend``, ...). ``dtype`` defaults
             to fp32 on a CPU, the lessons' dtype, exact against transformers' fp32 model; ``dtype="auto"`` asks for
             the machine's (bf16 with AMX-BF16 or AVX512-BF16), which ``python -m minillm serve`` and ``bench`` use.
-            ``async_scheduling`` follows vLLM's rule: on unless n-gram drafts are configured.
+            ``async_scheduling`` follows vLLM v0.33.0's platform rule: off on a CPU (``True`` asks for it), on
+            for a GPU unless n-gram drafts are configured.
 
     The engine core runs in a process of its own (``MINILLM_ENABLE_V1_MULTIPROCESSING=1``, the default, as vLLM's
     ``VLLM_ENABLE_V1_MULTIPROCESSING``): it loads the model there (a model given as an object is sent once, its

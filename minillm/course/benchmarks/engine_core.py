@@ -13,9 +13,11 @@ Three measurements (``python bench/engine_core.py``):
    only the outputs cross a process boundary (the executor lives in the core's process); the plan would cross one
    to reach workers in other processes, as in vLLM's ``MultiprocExecutor``.
 2. **Throughput**: (a) the in-process synchronous engine, (b) the engine core in its own process with async
-   scheduling (``LLM``'s default), (c) its own process without. Same greedy tokens in all three (checked; a
-   divergence is classified at its first token as :func:`~minillm.course.benchmarks.throughput.compare_greedy` does, with
-   minillm's own model as the oracle), tok/s and the ratios b/a and c/a.
+   scheduling (asked for: vLLM v0.33.0 leaves it off on a CPU), (c) its own process without (``LLM``'s default on a
+   CPU), (d) as (c) with the worker in a process of its own (what vLLM v0.33.0 runs on a CPU). Each engine's
+   start-up time, and the same greedy tokens in all four (checked; a divergence is classified at its first token as
+   :func:`~minillm.course.benchmarks.throughput.compare_greedy` does, with minillm's own model as the oracle), tok/s
+   and the ratios b/a, c/a and d/c.
 3. **A timeline** of each run (``call_utility("start_timeline")`` / ``"take_timeline"``): ``(what, start, end)``
    events, ``what`` in schedule/execute/update. From it: how often the scheduling of step N+1 overlapped the
    execution of step N, the mean schedule and update times, and the executor's idle gaps between steps (what
@@ -54,11 +56,14 @@ from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling_params import SamplingParams
 from minillm.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-# name -> (what the report calls it, multiprocess_mode, EngineArgs.async_scheduling). None is the default: on in
-# its own process (what LLM runs), and the in-process engine is forced synchronous.
-ENGINES = {"inproc_sync": ("(a) in-process, synchronous", False, False),
-           "mp_async": ("(b) own process, async scheduling", True, None),
-           "mp_sync": ("(c) own process, synchronous", True, False)}
+# name -> (what the report calls it, multiprocess_mode, EngineArgs.async_scheduling,
+# EngineArgs.distributed_executor_backend). Async scheduling is asked for explicitly: vLLM v0.33.0 (and minillm)
+# leave it off on a CPU. (d) is vLLM's CPU layout: the engine core in its own process, synchronous, and its one
+# worker in a process of its own (CpuPlatform.check_and_update_config turns "uni" into "mp").
+ENGINES = {"inproc_sync": ("(a) in-process, synchronous", False, False, "uni"),
+           "mp_async": ("(b) own process, async scheduling", True, True, "uni"),
+           "mp_sync": ("(c) own process, synchronous", True, False, "uni"),
+           "mp_sync_worker": ("(d) (c) + worker process (vLLM on CPU)", True, False, "mp")}
 EVENT_KINDS = ("schedule", "execute", "update")
 
 
@@ -255,8 +260,9 @@ def make_engine(name: str, model: LlamaForCausalLM, tokenizer: Any,
     """
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose from {sorted(ENGINES)}")
-    _, multiprocess, async_scheduling = ENGINES[name]
-    args = EngineArgs(**{**(engine_args or {}), "async_scheduling": async_scheduling})
+    _, multiprocess, async_scheduling, backend = ENGINES[name]
+    args = EngineArgs(**{**(engine_args or {}), "async_scheduling": async_scheduling,
+                         "distributed_executor_backend": backend})
     return LLMEngine(model, tokenizer, args, multiprocess_mode=multiprocess)
 
 
@@ -469,9 +475,13 @@ def run_benchmark(workload: Workload, model: LlamaForCausalLM | None = None, tok
     engines: dict[str, LLMEngine] = {}
     runs: dict[str, EngineRun] = {}
     try:
+        startup: dict[str, float] = {}
         for name in ENGINES:
+            begin = time.perf_counter()
             engines[name] = make_engine(name, model, tokenizer, engine_args)
+            startup[name] = time.perf_counter() - begin
             warm_up(engines[name])
+        report["startup_s"] = startup
         report["async_scheduling"] = {name: e.async_scheduling for name, e in engines.items()}
         report["core_pids"] = {name: e.engine_core.ready["pid"] for name, e in engines.items() if e.multiprocess_mode}
         for round_ in range(repeat):
@@ -490,9 +500,10 @@ def run_benchmark(workload: Workload, model: LlamaForCausalLM | None = None, tok
                                    "num_steps": r.num_steps, "delivery_ms_median": 1e3 * _pct(r.delivery_s, 50),
                                    "delivery_ms_p90": 1e3 * _pct(r.delivery_s, 90)} for name, r in runs.items()}
     report["ratios"] = {"b/a": runs["mp_async"].tokens_per_second / a.tokens_per_second,
-                        "c/a": runs["mp_sync"].tokens_per_second / a.tokens_per_second}
+                        "c/a": runs["mp_sync"].tokens_per_second / a.tokens_per_second,
+                        "d/c": runs["mp_sync_worker"].tokens_per_second / runs["mp_sync"].tokens_per_second}
     report["greedy"] = {f"{name} vs inproc_sync": compare_tokens(a, runs[name], model, workload)
-                        for name in ("mp_async", "mp_sync")}
+                        for name in ENGINES if name != "inproc_sync"}
     report["timeline"] = {name: analyze_timeline(r.timeline) for name, r in runs.items()}
     report["runs"] = runs
     return report
@@ -522,16 +533,19 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{row['plan_bytes']:>9.0f}{us('plan'):>12}{row['full_plan_bytes']:>13.0f}{us('full_plan'):>14}"
                      f"{row['full_over_diff']:>9.1f}x{row['outputs_bytes']:>11.0f}{us('outputs'):>12}")
     lines += ["", "2. throughput (same workload, greedy)",
-              f"{'engine':<38}{'tok/s':>8}{'s':>8}{'steps':>7}{'vs (a)':>8}{'delivery ms (median / p90)':>29}"]
+              f"{'engine':<38}{'start s':>8}{'tok/s':>8}{'s':>8}{'steps':>7}{'vs (a)':>8}"
+              f"{'delivery ms (median / p90)':>29}"]
     tput = report["throughput"]
     base = tput["inproc_sync"]["tokens_per_second"]
     for name, row in tput.items():
         delivery = f"{row['delivery_ms_median']:.2f} / {row['delivery_ms_p90']:.2f}"
-        lines.append(f"{ENGINES[name][0]:<38}{row['tokens_per_second']:>8.1f}{row['seconds']:>8.1f}"
-                     f"{row['num_steps']:>7}{row['tokens_per_second'] / base:>8.2f}{delivery:>29}")
+        lines.append(f"{ENGINES[name][0]:<38}{report['startup_s'][name]:>8.2f}{row['tokens_per_second']:>8.1f}"
+                     f"{row['seconds']:>8.1f}{row['num_steps']:>7}{row['tokens_per_second'] / base:>8.2f}"
+                     f"{delivery:>29}")
     ratios = report["ratios"]
     lines.append(f"b/a = {ratios['b/a']:.2f} (goal >= 1.0: {'met' if ratios['b/a'] >= 1.0 else 'not met'}), "
-                 f"c/a = {ratios['c/a']:.2f}")
+                 f"c/a = {ratios['c/a']:.2f}, d/c = {ratios['d/c']:.2f} (a worker process per step; its start-up "
+                 f"costs {report['startup_s']['mp_sync_worker'] - report['startup_s']['mp_sync']:+.2f} s)")
     for what, same in report["greedy"].items():
         lines.append(f"greedy tokens, {what}: {same}")
     lines += ["", "3. timelines (the core's schedule / execute / update events)",

@@ -16,8 +16,8 @@ Routes:
 ==========================  ==========================================================================================
 
 One :class:`~minillm.engine.async_llm.AsyncLLM` owns the engine: by default its engine core runs in a process of its
-own (``MINILLM_ENABLE_V1_MULTIPROCESSING=1``, async scheduling) and one task on the event loop takes its outputs; with
-an engine object given (``build_app(llm)``, :class:`BackgroundServer`) a background thread steps it. Every HTTP
+own (``MINILLM_ENABLE_V1_MULTIPROCESSING=1``; async scheduling on a GPU, or with ``--async-scheduling``) and one
+task on the event loop takes its outputs; with an engine object given (``build_app(llm)``, :class:`BackgroundServer`) a background thread steps it. Every HTTP
 connection is an asyncio task that submits its request and reads its outputs. A client that disconnects has its
 request aborted (streaming: Starlette cancels the response generator; non-streaming: a watcher notices the
 ``http.disconnect`` message and cancels the handler), which frees its KV blocks at once.

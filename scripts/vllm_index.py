@@ -31,6 +31,15 @@ names would add 0.2 MB::
 Imported names are left out (1 MB): a name is cited where it is defined, and the test finds that file by itself.
 A name never contains a space or a colon, so the string parses back unambiguously (the test's ``_parse_entry``).
 
+Quoted lines (``"quotes"``, last). The course states v0.33.0's defaults, and they depend on the platform: each
+statement rests on the source line that sets the value (:data:`QUOTES`: a key, the file, the function, the lines).
+The script finds every run of lines inside its function and records the line number, or stops with the key, so a
+release that moves or drops one cannot be indexed without the statement being looked at again::
+
+    "quotes": {
+     "cpu_async_scheduling_off": {"line": 347, "lines": ["# async scheduling is not required on CPU", ...],
+                                  "where": "vllm/platforms/cpu.py:CpuPlatform.check_and_update_config"}, ...}
+
 Deprecation markers (``"deprecated"`` and ``"deprecated_in"``, after ``"files"``, one line per file). A name can
 outlive its feature: v0.33.0 still defines ``ModelConfig.disable_cascade_attn`` ("Deprecated: cascade attention
 has been removed, so this has no effect"), so the names check alone passes a course that teaches cascade attention
@@ -403,6 +412,76 @@ def deprecation_markers(source: str, filename: str = "<vllm>") -> list[tuple[str
     return [(name, kind, ex) for (name, kind), ex in sorted(found.items())]
 
 
+# Source lines the course's statements about v0.33.0's defaults rest on: key -> (file, function, lines). Defaults
+# depend on the platform (the platform hook has the last word), so each statement is tied to the line that sets it;
+# ``build_index`` finds each run of lines (stripped, consecutive) inside its function and records where, or stops.
+# ``tests/test_platform_defaults.py`` checks the course's text and minillm's behaviour against these.
+QUOTES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "gpu_async_scheduling_on": ("vllm/config/vllm.py", "VllmConfig.__post_init__", (
+        "elif self.scheduler_config.async_scheduling is None:",
+        "# Enable async scheduling unless there is an incompatible option.")),
+    "async_scheduling_set_true": ("vllm/config/vllm.py", "VllmConfig.__post_init__", (
+        "else:", "self.scheduler_config.async_scheduling = True")),
+    "platform_hook_last": ("vllm/config/vllm.py", "VllmConfig.__post_init__", (
+        "current_platform.check_and_update_config(self)",)),
+    "cpu_async_scheduling_off": ("vllm/platforms/cpu.py", "CpuPlatform.check_and_update_config", (
+        "# async scheduling is not required on CPU", "scheduler_config.async_scheduling = False")),
+    "cpu_worker_process": ("vllm/platforms/cpu.py", "CpuPlatform.check_and_update_config", (
+        "# OMP requires the MP executor to function correctly, UniProc",
+        "# is not supported as it is not possible to set the OMP",
+        "# environment correctly",
+        'parallel_config.distributed_executor_backend = "mp"')),
+    "one_rank_uni": ("vllm/config/parallel.py", "ParallelConfig.__post_init__", (
+        "if self.distributed_executor_backend is None and self.world_size == 1:",
+        'self.distributed_executor_backend = "uni"')),
+    "engine_core_process": ("vllm/envs.py", "", (
+        '"VLLM_ENABLE_V1_MULTIPROCESSING": lambda: bool(',
+        'int(os.getenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))')),
+    "two_batches_in_flight": ("vllm/config/vllm.py", "VllmConfig.max_concurrent_batches", (
+        "# Async scheduling requires 2 concurrent batches to overlap.",)),
+}
+
+
+def _function_lines(source: str, function: str) -> tuple[int, int]:
+    """1-based ``(first, last)`` lines of ``function`` (``"Class.method"``, ``"name"``; ``""``: the whole module)."""
+    if not function:
+        return 1, source.count("\n") + 1
+    body: list[ast.stmt] = ast.parse(source).body
+    node: ast.AST | None = None
+    for part in function.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            raise KeyError(function)
+        body = node.body
+    return node.lineno, node.end_lineno
+
+
+def find_quotes(root: Path) -> dict[str, dict[str, object]]:
+    """Where each of :data:`QUOTES` stands in the unpacked release: ``{key: {"where", "line", "lines"}}``.
+
+    Raises:
+        SystemExit: a file, a function or a run of lines is not there (the statement resting on it must change).
+    """
+    out: dict[str, dict[str, object]] = {}
+    for key, (rel, function, want) in QUOTES.items():
+        path = root / rel
+        if not path.is_file():
+            raise SystemExit(f"quote {key!r}: no file {rel}")
+        source = path.read_text(encoding="utf-8")
+        try:
+            first, last = _function_lines(source, function)
+        except KeyError:
+            raise SystemExit(f"quote {key!r}: {rel} has no {function}") from None
+        lines = [line.strip() for line in source.splitlines()[first - 1:last]]
+        starts = [i for i in range(len(lines) - len(want) + 1) if tuple(lines[i:i + len(want)]) == want]
+        if not starts:
+            raise SystemExit(f"quote {key!r}: {rel}:{function or '(module)'} no longer has the lines {list(want)}")
+        out[key] = {"where": f"{rel}:{function}" if function else rel, "line": first + starts[0],
+                    "lines": list(want)}
+    return out
+
+
 def build_index(root: Path, version: str) -> dict:
     """Index every ``vllm/**/*.py`` under ``root`` (the directory that holds the ``vllm`` package)."""
     package = root / "vllm"
@@ -422,13 +501,14 @@ def build_index(root: Path, version: str) -> dict:
             continue
         for name, kind, excerpt in deprecation_markers(source, rel):
             (deprecated if kind == "name" else deprecated_in).setdefault(rel, {})[name] = excerpt
-    return {"version": version, "files": files, "deprecated": deprecated, "deprecated_in": deprecated_in}
+    return {"version": version, "files": files, "deprecated": deprecated, "deprecated_in": deprecated_in,
+            "quotes": find_quotes(root)}
 
 
 def dump_index(index: dict) -> str:
     """Compact JSON with one file per line, sorted, so the committed file stays small and diffs well."""
     lines = [f'{{"version": {json.dumps(index["version"])},']
-    sections = [key for key in ("files", "deprecated", "deprecated_in") if key in index]
+    sections = [key for key in ("files", "deprecated", "deprecated_in", "quotes") if key in index]
     for n, key in enumerate(sections):
         lines.append(f" {json.dumps(key)}: {{")
         items = sorted(index[key].items())

@@ -265,8 +265,8 @@ class EngineArgs:
         return None
 
     def resolved_async_scheduling(self, device: str | None = None) -> bool:
-        """Whether the engine core schedules one step ahead, for a model on ``device`` (default:
-        :meth:`resolved_device`; see ``async_scheduling``).
+        """Whether the engine core schedules one step ahead, for a model on ``device`` (``None``:
+        :meth:`resolved_device`'s; see ``async_scheduling``).
 
         vLLM v0.33.0's rule: ``VllmConfig.__post_init__`` fails an explicit ``True`` on an incompatible option with
         ``"Async scheduling is not supported by the V1 model runner with ..."`` and turns ``None`` on unless such an

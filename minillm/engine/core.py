@@ -13,7 +13,10 @@ Two ways to step:
 * :meth:`EngineCore.step_with_batch_queue`, async scheduling: a queue of up to two steps in flight. It schedules
   step N+1 and hands it to the executor (which runs steps in order on its own thread) *before* it waits for step
   N's output; the :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` counts step N's tokens as
-  placeholders meanwhile.
+  placeholders meanwhile. The executor's thread is the CPU's stand-in: on a GPU, vLLM's runner launches step N+1's
+  kernels behind step N's in stream order, keeps the sampled ids on the GPU and copies them to the host on a side
+  stream. Which of the two runs is a configuration choice (``EngineArgs.async_scheduling``: off on a CPU, as in
+  vLLM v0.33.0), in this process or in its own.
 
 :class:`EngineCoreProc` is the same core in its own process: a **busy loop** on the main thread (take the client's
 messages, step while there is work, sleep on the input queue when there is none), an **input thread** that receives

@@ -10,8 +10,12 @@ loaded the model and allocated the KV cache. Every thread that runs PyTorch ops 
 and two teams on the same cores slow each other down (each spins while it waits for work): measured on 2 cores, a
 SmolLM2 decode step took 1.4-1.7x as long on a second thread as on the thread that had loaded the model.
 
-vLLM counterpart: ``vllm/v1/executor/uniproc_executor.py:UniProcExecutor``, whose ``execute_model`` with
-``non_block=True`` likewise returns a future from a one-thread ``ThreadPoolExecutor`` (``async_output_thread``).
+The thread is the CPU's stand-in for what overlaps steps on a GPU. vLLM v0.33.0's
+``vllm/v1/executor/uniproc_executor.py:UniProcExecutor`` has no thread: ``collective_rpc`` runs the worker's method
+inline, and with ``non_block=True`` wraps the runner's ``AsyncModelRunnerOutput`` in an ``AsyncOutputFuture`` whose
+``result()`` waits for the device-to-host copy. The runner only *launches* the GPU's work and returns, so the busy
+loop can plan step N+1 while the GPU still runs step N in stream order. A CPU runner computes while it is called, so
+here the step itself must leave the caller's thread.
 """
 from __future__ import annotations
 

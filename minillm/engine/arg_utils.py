@@ -147,8 +147,11 @@ class EngineArgs:
         tensor_parallel_size: ranks (worker processes) the model is split over, Megatron-style (chapter 10); 1: the
             whole model in the engine core's process. Each rank caches only its KV heads, so a memory budget holds
             ``tensor_parallel_size`` times the blocks while ranks do not outnumber the KV heads. CPU only here
-            (gloo); the model must split, else vLLM's error: SmolLM2 runs on 1 or 3 (9 would split its 9 heads but
-            not its 1,536 MLP features).
+            (gloo). The model must split: heads that do not give vLLM's message
+            (``vllm/config/model.py:ModelConfig.verify_with_parallel_config``); an MLP that does not, minillm's own,
+            before any process starts (vLLM checks only the heads there, and the MLP's split fails later inside each
+            worker, ``vllm/distributed/utils.py:ensure_divisibility``). SmolLM2 runs on 1 or 3 (9 would split its 9
+            heads but not its 1,536 MLP features).
     """
 
     model: str | None = None

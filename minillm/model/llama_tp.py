@@ -48,7 +48,10 @@ def check_tensor_parallel_config(config: LlamaConfig, tp_size: int) -> None:
     ``tp_size`` must be an int >= 1; the heads must split (:func:`~minillm.model.parallel_layers.check_head_split`:
     SmolLM2's 9 query heads allow 1, 3 or 9 ranks, and 9 only by replicating each of its 3 KV heads on 3 ranks);
     ``intermediate_size`` must be divisible by ``tp_size`` (SmolLM2's 1,536 features rule 9 out: it runs on 1 or 3).
-    The vocabulary and hidden size may be anything.
+    The vocabulary and hidden size may be anything. The heads' message is vLLM's
+    (``vllm/config/model.py:ModelConfig.verify_with_parallel_config``); the MLP's check is minillm's, made early:
+    v0.33.0 finds it only inside each worker (``vllm/distributed/utils.py:ensure_divisibility``, an assertion
+    "1536 is not divisible by 9").
     """
     check_tp_rank(0, tp_size)
     check_head_split(config.num_attention_heads, config.num_key_value_heads, tp_size)

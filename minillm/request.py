@@ -102,6 +102,12 @@ class Request:
         # Async scheduling (AsyncScheduler): tokens that steps already scheduled will produce but that have not come
         # back yet. num_computed_tokens counts them, num_tokens does not (vLLM's num_output_placeholders).
         self.num_output_placeholders = 0
+        # Tokens of the steps scheduled for it whose output has not come back yet (those of the step being updated
+        # included), and how many of them are stale: the request was rolled back after they were scheduled
+        # (preempted, or a KV load failed), so their output is dropped when it comes back (vLLM v0.33.0's
+        # num_in_flight_tokens, num_stale_output_tokens). Both are 0 between the steps of a synchronous engine.
+        self.num_in_flight_tokens = 0
+        self.num_stale_output_tokens = 0
         # Prompt tokens found computed at admission (prefix cache + KV connector), reported with every output; -1
         # until admitted (vLLM's Request.num_cached_tokens).
         self.num_cached_tokens = -1

@@ -179,7 +179,15 @@ class EngineCore:
                        priority=request.priority)
 
     def add_request(self, request: Request | EngineCoreRequest) -> None:
-        """Queue a request; it runs from the next step on."""
+        """Queue a request; it runs from the next step on.
+
+        Raises:
+            TypeError: its ``request_id`` is not a string (vLLM v0.33.0's check and message,
+                ``vllm/v1/engine/core.py:EngineCore.add_request``); nothing is queued.
+            ValueError: the scheduler refuses it (an id in use, no room for an output within ``max_model_len``).
+        """
+        if not isinstance(request.request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request.request_id)}")
         if isinstance(request, EngineCoreRequest):
             request = self.preprocess_add_request(request)
         self.stats.num_requests += 1
@@ -187,8 +195,11 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """Finish these requests now (unknown or finished ids are ignored) and free their blocks. The runner drops
-        them when the next step's ``finished_req_ids`` reach it; with no step in flight it is told at once."""
+        """Finish these requests now (unknown or finished ids are ignored) and free their blocks. Their ids reach the
+        runner with the next plan's ``finished_req_ids`` (vLLM v0.33.0:
+        ``vllm/v1/engine/core.py:EngineCore.abort_requests``); with no step in flight it also drops them at once, so
+        an engine nobody steps again holds no state of theirs. A step in flight for them still runs; its output for
+        them is dropped."""
         self.scheduler.finish_requests(request_ids, status)
         if not self.batch_queue and request_ids:  # no step in flight reads the runner's states (always when sync)
             try:
@@ -197,21 +208,39 @@ class EngineCore:
                 pass  # the ranks are gone, and their states with them; the next step says so
 
     def has_requests(self) -> bool:
-        """Work left: requests in the scheduler (or K/V still being sent), or steps in flight."""
-        return self.scheduler.has_requests() or bool(self.batch_queue)
+        """Work to step for: unfinished requests, finished ones whose K/V is still being sent, or steps in flight.
+
+        Finished requests alone are not: with no step in flight the runner has dropped them already
+        (:meth:`abort_requests`, :meth:`_update_from_output`), so a loop that steps while this is ``True`` leaves no
+        state behind. Their ids go with the next plan, or with an empty one if :meth:`step` is called. vLLM v0.33.0's
+        busy loop (``vllm/v1/engine/core.py:EngineCoreProc._process_input_queue``) steps while
+        ``Scheduler.has_requests()``, which counts them.
+        """
+        sched = self.scheduler
+        return sched.has_unfinished_requests() or bool(sched.pending_kv_sends) or bool(self.batch_queue)
 
     # -- stepping -----------------------------------------------------------------------------------------------
     def step(self) -> tuple[EngineCoreOutputs | None, bool]:
-        """Schedule, execute, update: one synchronous step.
+        """Schedule, execute, update: one synchronous step (vLLM v0.33.0: ``vllm/v1/engine/core.py:EngineCore.step``).
+
+        With only finished requests left (``Scheduler.has_finished_requests``), the plan schedules no token and
+        carries their ids, so the runner drops their states: no model step is counted, no output comes back.
 
         Returns:
             ``(outputs, model_executed)``: ``None`` when there was nothing to do.
         """
-        if not self.scheduler.has_requests():
+        sched = self.scheduler
+        if not sched.has_requests():
             return None, False
         scheduler_output = None
         try:
-            scheduler_output = self._schedule()
+            if sched.has_unfinished_requests() or sched.pending_kv_sends:
+                scheduler_output = self._schedule()
+            else:  # the empty plan: _schedule() would take it for a request that can never run
+                start = time.monotonic()
+                scheduler_output = self.last_scheduler_output = sched.schedule()
+                if self.timeline is not None:
+                    self.timeline.append(("schedule", start, time.monotonic()))
             model_output = self.model_executor.execute_model(scheduler_output)
             return (self._update_from_output(scheduler_output, model_output),
                     scheduler_output.total_num_scheduled_tokens > 0)
@@ -221,24 +250,28 @@ class EngineCore:
 
     def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
         """One turn of async scheduling: plan and launch a step if the queue has room, else (or when nothing more
-        can be planned) wait for the oldest step in flight and update from its output.
+        can be planned) wait for the oldest step in flight and update from its output; with nothing in flight and
+        only finished requests left, :meth:`step`'s empty plan (vLLM v0.33.0:
+        ``vllm/v1/engine/core.py:EngineCore.step_with_batch_queue``).
 
         Returns:
             ``(outputs, model_executed)``: ``outputs`` is ``None`` on a turn that only launched a step.
         """
         assert self.batch_queue is not None
         batch_queue = self.batch_queue
+        sched = self.scheduler
+        can_plan = sched.has_unfinished_requests() or bool(sched.pending_kv_sends)
+        if not can_plan and not batch_queue:
+            return self.step()  # nothing in flight, at most finished ids to send: the synchronous step does it
         model_executed = False
         try:
-            if self.scheduler.has_requests():
+            if can_plan:
                 scheduler_output = self._schedule()
                 future = self.model_executor.execute_model(scheduler_output, non_block=True)
                 model_executed = scheduler_output.total_num_scheduled_tokens > 0
                 batch_queue.appendleft((future, scheduler_output))
                 if len(batch_queue) < self.batch_queue_size and model_executed:
                     return None, model_executed  # do not wait on step N while step N+1 can still be planned
-            elif not batch_queue:
-                return None, False
             future, scheduler_output = batch_queue.pop()
             model_output = future.result()
             return self._update_from_output(scheduler_output, model_output), model_executed
@@ -270,6 +303,8 @@ class EngineCore:
 
     def _update_from_output(self, scheduler_output: SchedulerOutput,
                             model_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """The scheduler's update, logprobs and drafts attached, counters advanced (a plan of 0 tokens is no model
+        step); with no step left in flight, the runner drops the requests that finished."""
         start = time.monotonic()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if model_output.logprobs:
@@ -279,8 +314,8 @@ class EngineCore:
                     out.new_logprobs = entries[:len(out.new_token_ids)]
         self.scheduler.update_draft_token_ids(model_output)
         if not self.batch_queue and self.scheduler.finished_req_ids:
-            # No step in flight (always so when synchronous): the runner can drop the finished requests now rather
-            # than with the next step's finished_req_ids, so an idle engine holds no request state at all.
+            # No step in flight (always so when synchronous): the runner can drop the finished requests now, not only
+            # when their ids ride the next plan (as in vLLM), so an engine nobody steps again holds no request state.
             self.model_executor.collective_rpc("remove_requests", (list(self.scheduler.finished_req_ids),))
         stats = self.stats
         if scheduler_output.total_num_scheduled_tokens:

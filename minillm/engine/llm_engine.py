@@ -361,9 +361,12 @@ class LLMEngine:
             ValueError: an empty prompt, a prompt that leaves no room for one output token within
                 ``max_model_len``, token ids outside the vocabulary (or not a list of ints), invalid sampling
                 parameters, or a request id that is not a non-empty string or is already in use.
+            TypeError: a processed request whose id is not a string (vLLM v0.33.0's message).
         """
         if isinstance(prompt, EngineCoreRequest):
             request = prompt
+            if not isinstance(request.request_id, str):  # it could not cross to an engine-core process as one
+                raise TypeError(f"request_id must be a string, got {type(request.request_id)}")
             if request.request_id != request_id:
                 raise ValueError(f"the processed request is {request.request_id!r}, not {request_id!r}")
             if self._in_use(request_id):

@@ -20,14 +20,16 @@ scheduler:
 * a request whose step in flight samples its ``max_tokens``-th token is not scheduled again;
 * a request that finishes on a token (EOS, a stop id) has already been scheduled once more: that step's output for it
   arrives after it finished, and is dropped (the scheduler no longer knows it);
-* a request preempted while a step is in flight for it loses that step's token (its placeholders go back to 0, and
-  ``num_computed_tokens = 0 < num_tokens`` makes ``update_from_output`` skip it); it samples it again after resuming.
+* a request rolled back while a step is in flight for it (preempted, or a KV load it counted on failed) loses that
+  step's token: its placeholders go back to 0, the in-flight tokens become stale output
+  (``Request.num_stale_output_tokens``) that ``update_from_output`` drops when it comes back, and it samples them
+  again after recomputing (``Scheduler._drop_in_flight_outputs``).
 
 vLLM counterpart: ``vllm/v1/core/sched/async_scheduler.py:AsyncScheduler._update_after_schedule``, and in
 ``vllm/v1/core/sched/scheduler.py`` the placeholder terms of ``Scheduler.schedule`` and
-``Scheduler._update_request_with_output`` (v0.33.0 decrements the placeholders in the base class). vLLM v0.33.0 also keeps a preempted request's in-flight tokens as "stale
-output" (to keep draft acceptance unperturbed) and supports drafts under async scheduling; minillm's n-gram drafts
-are, as in vLLM's V1 runner, incompatible with it.
+``Scheduler._update_request_with_output`` (v0.33.0 decrements the placeholders in the base class). vLLM v0.33.0
+delivers a preempted request's stale tokens (to keep draft acceptance unperturbed) and supports drafts under async
+scheduling; minillm's n-gram drafts are, as in vLLM's V1 runner, incompatible with it.
 """
 from __future__ import annotations
 

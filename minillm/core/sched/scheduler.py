@@ -34,12 +34,14 @@ vLLM counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``, `
 ``update_from_output``, ``update_draft_token_ids``, ``finish_requests``, and for KV transfer ``_free_request``,
 ``_update_from_kv_xfer_finished``, ``_handle_failed_recving``, ``_handle_invalid_blocks``). vLLM adds multimodal
 encoder budgets, LoRA, structured output, asynchronous KV loads (``WAITING_FOR_REMOTE_KVS``) and pipeline
-parallelism. With async scheduling (v0.33.0's default, and minillm's for the engine core in its own process) the
+parallelism. With async scheduling (v0.33.0's default on a GPU; off on a CPU, in vLLM and here, unless asked) the
 subclass :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` plans step N+1 while step N runs; the
-placeholder terms below (``num_output_placeholders``) are 0 without it.
+placeholder terms below (``num_output_placeholders``) are 0 without it, and a request moved back while a step is in
+flight for it (a preemption, a failed KV load) has that step's output dropped as stale when it comes back.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -144,6 +146,10 @@ class Scheduler:
         self.connector: KVConnectorBase_V1 | None = None
         self.pending_kv_sends: dict[str, Request] = {}
         self._waiting_for_remote_kvs: list[Request] = []
+        # The steps planned and not yet updated from, oldest first, each with the Request objects it scheduled: a
+        # step's output goes to those objects, not to whatever request holds the id by then (one aborted while the
+        # step ran may come back under the same id).
+        self._steps_in_flight: deque[tuple[SchedulerOutput, dict[str, Request]]] = deque()
 
     def set_kv_connector(self, connector: KVConnectorBase_V1 | None) -> None:
         """Use ``connector``'s scheduler side (chapter 9); ``None``: none."""
@@ -212,9 +218,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
+    def has_finished_requests(self) -> bool:
+        """Finished requests not yet sent to the runner (``finished_req_ids``, sent with the next plan), or whose
+        K/V a connector still sends (vLLM v0.33.0: ``vllm/v1/core/sched/scheduler.py:Scheduler.has_finished_requests``).
+        """
+        return bool(self.finished_req_ids) or bool(self.pending_kv_sends)
+
     def has_requests(self) -> bool:
-        """Unfinished requests, or finished ones whose K/V is still being sent: the engine must keep stepping."""
-        return self.has_unfinished_requests() or bool(self.pending_kv_sends)
+        """Unfinished or finished requests: another :meth:`schedule` has something to do, if only to tell the runner
+        which requests finished (vLLM v0.33.0: ``vllm/v1/core/sched/interface.py:SchedulerInterface.has_requests``).
+        """
+        return self.has_unfinished_requests() or self.has_finished_requests()
 
     # -- one step -----------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -321,11 +335,9 @@ class Scheduler:
         assert request.status == RequestStatus.RUNNING, f"only a running request can be preempted, got {request}"
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        # Async scheduling: the token of a step in flight for it is dropped when it comes back (update_from_output
-        # skips a request whose computed tokens are behind its tokens); it is recomputed after resuming.
-        request.num_output_placeholders = 0
+        # Async scheduling: the token of a step in flight for it is stale, dropped when it comes back; it is
+        # recomputed after resuming.
+        self._drop_in_flight_outputs(request, 0)
         request.num_preemptions += 1
         self.waiting.prepend_request(request)
 
@@ -418,8 +430,12 @@ class Scheduler:
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         # Advance now, not after the model ran: the output above carries the old values (where each chunk starts),
         # and the next schedule() can already hand out the next chunk.
+        scheduled = {rid: self.requests[rid] for rid in scheduler_output.num_scheduled_tokens}
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += n
+            scheduled[rid].num_computed_tokens += n
+            scheduled[rid].num_in_flight_tokens += n
+        if scheduled:  # a plan of 0 tokens has no output to match (and callers may drop it un-updated)
+            self._steps_in_flight.append((scheduler_output, scheduled))
         self.prev_step_scheduled_req_ids = set(scheduler_output.num_scheduled_tokens)
         # A new set, not clear(): the output just built still holds the old one.
         self.finished_req_ids = set()
@@ -428,6 +444,9 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append the sampled tokens, stop finished requests and free their blocks.
+
+        A step's output goes to the requests it scheduled: it is dropped for one that finished (or was aborted)
+        since, even if its id is back as a new request, and for one moved back since (its stale output).
 
         Args:
             scheduler_output: what :meth:`schedule` returned for this step.
@@ -439,12 +458,22 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         stopped: set[int] = set()
+        scheduled = self._take_step_in_flight(scheduler_output)
         kv_output = model_runner_output.kv_connector_output
         failed_loads = self._handle_kv_load_failures(kv_output, scheduler_output) if kv_output is not None else set()
-        for rid in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(rid)
-            if request is None or request.is_finished() or rid in failed_loads:
-                continue  # aborted while the model ran, or its loaded K/V was not there: it recomputes
+        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            # The Request this step scheduled (a plan not made here: whoever holds the id).
+            request = scheduled.get(rid) if scheduled is not None else self.requests.get(rid)
+            if request is None:
+                continue
+            if scheduled is not None:
+                request.num_in_flight_tokens -= num_scheduled
+            if request.num_stale_output_tokens:
+                # Rolled back after this step was planned (preempted, or a KV load failed): its output is stale.
+                request.num_stale_output_tokens = max(request.num_stale_output_tokens - num_scheduled, 0)
+                continue
+            if request.is_finished() or self.requests.get(rid) is not request or rid in failed_loads:
+                continue  # finished or aborted while the model ran (its id may be back, as a new request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # still mid-prefill: its sampled token followed a partial prompt, so it is meaningless
             new_token_ids = list(model_runner_output.sampled_token_ids[model_runner_output.req_id_to_index[rid]])
@@ -466,6 +495,23 @@ class Scheduler:
         if kv_output is not None:
             self._update_from_kv_xfer_finished(kv_output)
         return outputs
+
+    def _take_step_in_flight(self, scheduler_output: SchedulerOutput) -> dict[str, Request] | None:
+        """The requests that ``scheduler_output`` scheduled, taken off the steps in flight; ``None`` for a plan of 0
+        tokens or one :meth:`schedule` did not return. Steps planned before it that were never updated from
+        (abandoned after an error) are forgotten, and their tokens no longer count as in flight."""
+        for i, (plan, _) in enumerate(self._steps_in_flight):
+            if plan is scheduler_output:
+                break
+        else:
+            return None
+        for _ in range(i):
+            plan, abandoned = self._steps_in_flight.popleft()
+            for rid, request in abandoned.items():
+                n = plan.num_scheduled_tokens[rid]
+                request.num_in_flight_tokens = max(request.num_in_flight_tokens - n, 0)
+                request.num_stale_output_tokens = max(request.num_stale_output_tokens - n, 0)
+        return self._steps_in_flight.popleft()[1]
 
     def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
         """Append the step's tokens to ``request`` one by one until one stops it.
@@ -492,12 +538,19 @@ class Scheduler:
     def _handle_kv_load_failures(self, kv_output: KVConnectorOutput,
                                  scheduler_output: SchedulerOutput) -> set[str]:
         """What a KV connector failed to load this step, handled as vLLM v0.33.0 does under
-        ``kv_load_failure_policy="recompute"`` (the only policy here). Returns the ids of the scheduled requests
-        whose tokens of this step are dropped: they ran on K/V that was not there."""
+        ``kv_load_failure_policy="recompute"`` (the only policy here). Returns the ids of the requests rolled back:
+        their tokens of this step (and of any later step already planned) ran on K/V that was not there."""
         num_scheduled = scheduler_output.num_scheduled_tokens
         failed = self._handle_failed_recving(kv_output.failed_recving, num_scheduled)
-        if kv_output.invalid_block_ids:
-            failed |= self._handle_invalid_blocks(kv_output.invalid_block_ids, num_scheduled)
+        # The blocks a failed whole load was to fill, and those computed from them, are rewritten in place by its
+        # request; to any other request that found them in the prefix cache they are as bad as invalid blocks.
+        rewritten: set[int] = set()
+        first_loaded = {new.req_id: (new.num_computed_tokens - new.num_external_computed_tokens) // self.block_size
+                        for new in scheduler_output.scheduled_new_reqs}
+        for rid in failed:
+            rewritten.update(self.kv_cache_manager.get_block_ids(rid)[first_loaded.get(rid, 0):])
+        if kv_output.invalid_block_ids or rewritten:
+            failed |= self._handle_invalid_blocks(kv_output.invalid_block_ids, num_scheduled, rewritten)
         return failed
 
     def _handle_failed_recving(self, failed_req_ids: set[str], num_scheduled_tokens: dict[str, int]) -> set[str]:
@@ -506,53 +559,75 @@ class Scheduler:
         vLLM v0.33.0's ``Scheduler._handle_failed_recving`` sets ``num_computed_tokens = 0`` for such a request
         while it is still ``WAITING_FOR_REMOTE_KVS`` (an asynchronous load). minillm loads synchronously, in the
         step that admits the request, so the request named here is already running and has sampled a token from
-        the missing K/V: it goes back to 0 too and that token is dropped. A request still waiting is left to the
-        connector, which answers 0 matched tokens for it from now on (it sees ``failed_recving`` too).
+        the missing K/V: it goes back to 0 too (:meth:`_roll_back`) and that token is dropped. A request still
+        waiting is left to the connector, which answers 0 matched tokens for it from now on (it sees
+        ``failed_recving`` too).
         """
         affected: set[str] = set()
         for rid in failed_req_ids:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING or rid not in num_scheduled_tokens:
                 continue
-            request.num_computed_tokens = 0
-            self._resend_all_token_ids(request)
+            self._roll_back(request, 0)
             affected.add(rid)
         return affected
 
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int]) -> set[str]:
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int],
+                               rewritten: set[int] = frozenset()) -> set[str]:
         """A load failed to fill ``invalid_block_ids``: the running requests that count one of them as computed
         recompute it (vLLM v0.33.0's ``_update_requests_with_invalid_blocks``, for synchronous loads).
 
         In running order, the first request holding an invalid block goes back to that block's first token and
-        recomputes from there, into the same blocks. A later request sharing the block (through the prefix cache)
-        keeps counting it as computed, since the first one rewrites it in place before anyone reads it again: it
-        only drops this step's tokens, which read the bad K/V. Under the recompute policy the blocks stay in the
-        prefix cache, to be reused once recomputed (v0.33.0 evicts them only under ``"fail"``: "only when not using
-        recompute policy"). Returns the ids of every affected request.
+        recomputes from there, into the same blocks. A later request sharing one of the blocks it rewrites (through
+        the prefix cache; ``rewritten`` are those a failed whole load's request rewrites) keeps counting it as
+        computed, since it is rewritten in place before anyone reads it again: it only drops its tokens computed
+        from the bad K/V (this step's, and under async scheduling those of the step planned after it). Under the
+        recompute policy the blocks stay in the prefix cache, to be reused once recomputed (v0.33.0 evicts them
+        only under ``"fail"``: "only when not using recompute policy"). Returns the ids of every affected request.
         """
         affected: set[str] = set()
-        marked: set[int] = set()  # invalid blocks that an earlier request recomputes
+        marked = set(rewritten)  # blocks that an earlier request rewrites in place
         for request in self.running:
             rid = request.request_id
-            # Only the blocks computed before this step can hold loaded K/V.
-            num_computed_before = request.num_computed_tokens - num_scheduled_tokens.get(rid, 0)
-            block_ids = self.kv_cache_manager.get_block_ids(rid)[:-(-num_computed_before // self.block_size)]
-            bad = [i for i, block_id in enumerate(block_ids) if block_id in invalid_block_ids]
+            # Only the blocks computed before this step can hold loaded K/V. In flight (not stale): this step's
+            # tokens, and under async scheduling the next step's (for a plan not made by schedule(): this step's).
+            pending = (request.num_in_flight_tokens - request.num_stale_output_tokens if request.num_in_flight_tokens
+                       else num_scheduled_tokens.get(rid, 0))
+            num_computed_before = request.num_computed_tokens - pending
+            block_ids = self.kv_cache_manager.get_block_ids(rid)
+            computed = block_ids[:-(-num_computed_before // self.block_size)]
+            bad = [i for i, block_id in enumerate(computed) if block_id in invalid_block_ids or block_id in marked]
             if not bad:
                 continue
-            mine = [i for i in bad if block_ids[i] not in marked]
-            marked.update(block_ids[i] for i in bad)
-            # E.g. blocks of 4, computed before [0, 12), bad blocks 1 and 2: recompute from token 4.
-            request.num_computed_tokens = mine[0] * self.block_size if mine else num_computed_before
-            self._resend_all_token_ids(request)
+            mine = [i for i in bad if computed[i] not in marked]
+            if mine:
+                # E.g. blocks of 4, computed before [0, 12), bad blocks 1 and 2: recompute from token 4, rewriting
+                # block 1 and every block after it.
+                marked.update(block_ids[mine[0]:])
+            self._roll_back(request, mine[0] * self.block_size if mine else num_computed_before)
             affected.add(rid)
         return affected
 
-    def _resend_all_token_ids(self, request: Request) -> None:
-        """The runner appended the token it sampled for ``request`` this step, which is now dropped: send the
-        request's token ids whole next step (``CachedRequestData.all_token_ids``), and drop its drafts."""
-        request.spec_token_ids = []
+    def _roll_back(self, request: Request, num_computed_tokens: int) -> None:
+        """After a failed KV load: recompute ``request`` from ``num_computed_tokens``, in the blocks it holds. The
+        runner appended the token it sampled this step, now dropped: its token ids go whole in the next plan
+        (``CachedRequestData.all_token_ids``)."""
+        self._drop_in_flight_outputs(request, num_computed_tokens)
         self.prev_step_scheduled_req_ids.discard(request.request_id)
+
+    @staticmethod
+    def _drop_in_flight_outputs(request: Request, num_computed_tokens: int) -> None:
+        """Move ``request`` back to ``num_computed_tokens`` (a preemption, a failed KV load). The outputs of the steps
+        already planned for it are stale: each is dropped when it comes back (:meth:`update_from_output`), and its
+        output placeholders are gone, so the next plan asks for ``num_tokens - num_computed_tokens`` tokens. vLLM
+        v0.33.0 rolls back the same way (``vllm/v1/core/sched/scheduler.py`` (``Scheduler._preempt_request``,
+        ``Scheduler._handle_stopped_request``): ``num_stale_output_tokens = num_in_flight_tokens``,
+        ``num_output_placeholders = 0``); it still delivers a preempted request's stale tokens (unless
+        ``drop_stale_output``), minillm drops them and samples them again."""
+        request.num_computed_tokens = num_computed_tokens
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
+        request.spec_token_ids = []
 
     def update_draft_token_ids(self, model_runner_output: ModelRunnerOutput) -> None:
         """Store the drafts the runner proposed (``model_runner_output.draft_token_ids``) on their requests, to be

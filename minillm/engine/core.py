@@ -216,8 +216,11 @@ class EngineCore:
         busy loop (``vllm/v1/engine/core.py:EngineCoreProc._process_input_queue``) steps while
         ``Scheduler.has_requests()``, which counts them.
         """
-        sched = self.scheduler
-        return sched.has_unfinished_requests() or bool(sched.pending_kv_sends) or bool(self.batch_queue)
+        return self._can_plan() or bool(self.batch_queue)
+
+    def _can_plan(self) -> bool:
+        """Unfinished requests, or finished ones whose K/V is still being sent: a plan has something to schedule."""
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.pending_kv_sends)
 
     # -- stepping -----------------------------------------------------------------------------------------------
     def step(self) -> tuple[EngineCoreOutputs | None, bool]:
@@ -229,16 +232,15 @@ class EngineCore:
         Returns:
             ``(outputs, model_executed)``: ``None`` when there was nothing to do.
         """
-        sched = self.scheduler
-        if not sched.has_requests():
+        if not self.scheduler.has_requests():
             return None, False
         scheduler_output = None
         try:
-            if sched.has_unfinished_requests() or sched.pending_kv_sends:
+            if self._can_plan():
                 scheduler_output = self._schedule()
             else:  # the empty plan: _schedule() would take it for a request that can never run
                 start = time.monotonic()
-                scheduler_output = self.last_scheduler_output = sched.schedule()
+                scheduler_output = self.last_scheduler_output = self.scheduler.schedule()
                 if self.timeline is not None:
                     self.timeline.append(("schedule", start, time.monotonic()))
             model_output = self.model_executor.execute_model(scheduler_output)
@@ -259,8 +261,7 @@ class EngineCore:
         """
         assert self.batch_queue is not None
         batch_queue = self.batch_queue
-        sched = self.scheduler
-        can_plan = sched.has_unfinished_requests() or bool(sched.pending_kv_sends)
+        can_plan = self._can_plan()
         if not can_plan and not batch_queue:
             return self.step()  # nothing in flight, at most finished ids to send: the synchronous step does it
         model_executed = False

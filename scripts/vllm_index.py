@@ -439,6 +439,16 @@ QUOTES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         'int(os.getenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))')),
     "two_batches_in_flight": ("vllm/config/vllm.py", "VllmConfig.max_concurrent_batches", (
         "# Async scheduling requires 2 concurrent batches to overlap.",)),
+    # Model Runner V2 is the default wherever Triton runs and the model is supported: no platform check, and the CPU
+    # worker builds V2's runner (a CPUModelRunner subclass of V2's GPUModelRunner) when it is chosen.
+    "v2_runner_needs_triton": ("vllm/config/vllm.py", "VllmConfig.use_v2_model_runner", (
+        "if not HAS_TRITON and not current_platform.is_unspecified():",
+        "logger.warning_once(",
+        '"Model Runner V2 requires Triton; using the V1 model runner instead."')),
+    "cpu_v2_runner": ("vllm/v1/worker/cpu_worker.py", "CPUWorker.init_device", (
+        "if self.use_v2_model_runner:",
+        "from vllm.v1.worker.cpu.model_runner import (",
+        "CPUModelRunner as CPUModelRunnerV2,")),
 }
 
 

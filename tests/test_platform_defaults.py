@@ -95,6 +95,32 @@ def test_no_sentence_calls_async_scheduling_the_default_without_its_platform():
                      f"{CPU_HOOK}); say which:\n" + "\n".join(bad))
 
 
+V2_RE = re.compile(r"Model Runner V2|\bMRV2\b")
+GPU_ONLY_RE = re.compile(r"\bGPUs?\b|GPU 上")
+V2_WHERE_RE = re.compile(r"\bCPUs?\b|Triton|CPU 上")
+
+
+def gpu_only_runner_claims() -> list[str]:
+    """Sentences that call Model Runner V2 the default of a GPU alone: v0.33.0 picks it wherever Triton runs
+    (quote v2_runner_needs_triton), a CPU build with triton-cpu included (quote cpu_v2_runner)."""
+    bad = []
+    for file, where, text in course_prose(lambda source: bool(V2_RE.search(source))):
+        for _, sentence in sentences(text):
+            if (V2_RE.search(sentence) and DEFAULT_RE.search(sentence) and GPU_ONLY_RE.search(sentence)
+                    and not V2_WHERE_RE.search(sentence)):
+                bad.append(f"{file} ({where}): \"{' '.join(sentence.split())[:200]}\"")
+    return bad
+
+
+def test_model_runner_v2_is_not_called_the_default_of_a_gpu_alone(quotes):
+    assert quotes["v2_runner_needs_triton"]["where"] == "vllm/config/vllm.py:VllmConfig.use_v2_model_runner"
+    assert quotes["cpu_v2_runner"]["where"] == "vllm/v1/worker/cpu_worker.py:CPUWorker.init_device"
+    bad = gpu_only_runner_claims()
+    assert not bad, ("Model Runner V2 is v0.33.0's default wherever Triton runs and the model is supported, a CPU "
+                     "with triton-cpu too (vllm/v1/worker/cpu/model_runner.py:CPUModelRunner); say so:\n"
+                     + "\n".join(bad))
+
+
 @pytest.mark.parametrize("sentence, fails", [
     ("In v0.33.0 async scheduling is on by default.", True),
     ("Async scheduling (vLLM v0.33.0's default) plans step N+1 early.", True),

@@ -141,9 +141,11 @@ class EngineArgs:
             (:class:`~minillm.executor.multiproc_executor.MultiprocExecutor`). ``None`` (default): ``"uni"`` for
             one rank, ``"mp"`` for several, as v0.33.0's ``ParallelConfig`` resolves it. vLLM's CPU hook then turns
             ``"uni"`` into ``"mp"`` when the engine core has its own process ("OMP requires the MP executor"):
-            ask for ``"mp"`` to run that layout. minillm keeps ``"uni"`` by default because a worker process costs
-            each engine about 2.5 s of start-up on a 2-core CPU and nothing per step (``bench/engine_core.py``),
-            and its engine core already runs every PyTorch op on the one thread that set the threads up.
+            ask for ``"mp"`` to run that layout. minillm keeps ``"uni"`` by default: on a 2-core CPU a worker
+            process costs each engine 1.3 to 2.5 s of start-up and about 6 % of its throughput
+            (``bench/engine_core.py``, engine (d)), and minillm's engine core already runs every PyTorch op on the
+            one thread that set the threads up, which is what vLLM's worker process is for ("OMP requires the MP
+            executor").
         tensor_parallel_size: ranks (worker processes) the model is split over, Megatron-style (chapter 10); 1: the
             whole model in the engine core's process. Each rank caches only its KV heads, so a memory budget holds
             ``tensor_parallel_size`` times the blocks while ranks do not outnumber the KV heads. CPU only here
@@ -241,7 +243,8 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS} or None, got {backend!r}")
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS} or None, "
+                             f"got {backend!r}")
         if backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in the engine core's process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' (or None)")

@@ -83,7 +83,9 @@ def test_a_delegating_answer_fails_its_check(number):
 
 
 # -- the tripwire's mechanics -------------------------------------------------------------------------------------------
-def test_names_are_put_back_after_the_call_and_after_an_error():
+def test_nothing_is_replaced_and_the_code_is_refused_by_any_name():
+    """The tripwire refuses the code, not a name: the module's name and an alias still hold the package's own
+    function (nothing to put back, no original to hand out), yet calling it through the alias raises."""
     import minillm.attention.paged as paged
     from minillm.attention.paged import compute_slot_mapping
 
@@ -91,14 +93,14 @@ def test_names_are_put_back_after_the_call_and_after_an_error():
     ns = {"__name__": "__main__", "alias": compute_slot_mapping}
 
     def learner(block_ids, start, end, block_size):
-        assert ns["alias"] is not original and paged.compute_slot_mapping is not original  # replaced meanwhile
+        assert ns["alias"] is original and paged.compute_slot_mapping is original  # nothing replaced
         return ns["alias"](block_ids, start, end, block_size)
 
     with pytest.raises(DelegationError, match=r"Exercise 2\.1 asks you to write this yourself.*compute_slot_mapping"):
         with building("2.1", ns):
             learner([1], 0, 1, 4)
-    assert paged.compute_slot_mapping is original and ns["alias"] is original
     assert compute_slot_mapping([1], 0, 2, 4).tolist() == [4, 5]  # the reference works again, outside
+    assert not hasattr(guard("2.1", learner), "__wrapped__")  # the guard hands nothing back
 
 
 def test_a_method_is_tripped_for_super_calls_and_restored():

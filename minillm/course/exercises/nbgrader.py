@@ -306,12 +306,17 @@ def generate_assignment_preprocessors() -> list[type]:
 
 def autograde_preprocessors() -> list[type]:
     """nbgrader's ``Autograde.autograde_preprocessors`` with ``SaveAutoGrades`` replaced by
-    :class:`ExerciseSaveAutoGrades` (needs nbgrader)."""
+    :class:`ExerciseSaveAutoGrades`, and ``Execute`` run between :class:`GradingPrepare` and
+    :class:`GradingRestore`: the kernel runs the teacher's notebook with each answer sent to a process of its own
+    (:mod:`minillm.course.exercises.grading`), and the student's notebook gets the outputs (needs nbgrader)."""
     from nbgrader.converters import Autograde
-    from nbgrader.preprocessors import SaveAutoGrades
+    from nbgrader.preprocessors import Execute, SaveAutoGrades
 
-    return _replace(Autograde.class_traits()["autograde_preprocessors"].default(), SaveAutoGrades,
-                    _nbgrader_classes()["ExerciseSaveAutoGrades"])
+    classes = _nbgrader_classes()
+    out = _replace(Autograde.class_traits()["autograde_preprocessors"].default(), SaveAutoGrades,
+                   classes["ExerciseSaveAutoGrades"])
+    at = out.index(Execute)
+    return out[:at] + [classes["GradingPrepare"], Execute, classes["GradingRestore"]] + out[at + 1:]
 
 
 def _replace(preprocessors: list[type], old: type, new: type) -> list[type]:
@@ -356,7 +361,27 @@ def _nbgrader_classes() -> dict[str, type]:
             grade.needs_manual_grade = grade.manual_score is not None  # a grader's own score stands out for review
             self.gradebook.db.commit()
 
-    classes = {"ExerciseClearSolutions": ExerciseClearSolutions, "ExerciseSaveAutoGrades": ExerciseSaveAutoGrades}
+    from nbconvert.preprocessors import Preprocessor
+
+    class GradingPrepare(Preprocessor):
+        """Before ``Execute``: the notebook the kernel runs becomes the teacher's own (``source/``), each answer
+        cell a call of :func:`minillm.course.exercises.grading.answer`, after a first cell that turns grading mode
+        on; the student's answers (each ``# Exercise N.M`` cell and the student's cells up to its check) go into a
+        plan file for the answer's process. The student's notebook waits in ``resources`` for
+        :class:`GradingRestore`."""
+
+        def preprocess(self, nb: nbformat.NotebookNode, resources: dict) -> tuple[nbformat.NotebookNode, dict]:
+            return grading_notebook(nb, resources, Path(self.config.CourseDirectory.root or "."))
+
+    class GradingRestore(Preprocessor):
+        """After ``Execute``: the student's notebook again, each cell with the outputs of its counterpart in the
+        notebook that ran (check cells and answer cells by grade id, the teacher's cells by cell id)."""
+
+        def preprocess(self, nb: nbformat.NotebookNode, resources: dict) -> tuple[nbformat.NotebookNode, dict]:
+            return restored_notebook(nb, resources)
+
+    classes = {"ExerciseClearSolutions": ExerciseClearSolutions, "ExerciseSaveAutoGrades": ExerciseSaveAutoGrades,
+               "GradingPrepare": GradingPrepare, "GradingRestore": GradingRestore}
     for name, cls in classes.items():
         cls.__module__, cls.__qualname__ = __name__, name
     return classes
@@ -365,9 +390,105 @@ def _nbgrader_classes() -> dict[str, type]:
 def __getattr__(name: str) -> Any:
     # ExerciseClearSolutions and ExerciseSaveAutoGrades subclass nbgrader classes: built on first use, so this
     # module imports without the [classroom] extra.
-    if name in ("ExerciseClearSolutions", "ExerciseSaveAutoGrades"):
+    if name in ("ExerciseClearSolutions", "ExerciseSaveAutoGrades", "GradingPrepare", "GradingRestore"):
         return _nbgrader_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --- grading out of the answer's reach (minillm/course/exercises/grading.py) ----------------------------------------
+
+_STUDENT_KEY = "minillm_student_notebook"
+_PLAN_KEY = "minillm_grading_plan"
+
+
+def _grade_id(cell: nbformat.NotebookNode) -> str | None:
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+
+
+def answer_regions(student: nbformat.NotebookNode, exercises: list[Exercise]) -> dict[str, str]:
+    """Exercise number -> the student's answer: their answer cell (found by its grade id) and every code cell they
+    put after it, up to the exercise's check cell, joined as the capstone's loader joins them. A missing answer
+    cell gives ``""``."""
+    index = {_grade_id(c): i for i, c in enumerate(student.cells) if _grade_id(c)}
+    found: dict[str, str] = {}
+    for ex in exercises:
+        a, c = index.get(ex.answer_id), index.get(ex.check_id)
+        if a is None:
+            found[ex.number] = ""
+            continue
+        end = c if c is not None and c > a else a + 1
+        found[ex.number] = "\n\n".join(cell.source for cell in student.cells[a:end] if cell.cell_type == "code")
+    return found
+
+
+def grading_notebook(student: nbformat.NotebookNode, resources: dict,
+                     course_root: Path) -> tuple[nbformat.NotebookNode, dict]:
+    """The notebook the grading kernel runs (see :class:`GradingPrepare`), and ``resources`` holding the student's
+    notebook and the plan's path."""
+    import copy
+    import json
+    import tempfile
+
+    info = resources.get("nbgrader", {})
+    assignment, notebook = info.get("assignment"), info.get("notebook")
+    source_path = course_root / "source" / str(assignment) / f"{notebook}.ipynb"
+    if not source_path.exists():
+        raise FileNotFoundError(f"grading needs the teacher's notebook {source_path} (the course directory's source/)")
+    teacher = nbformat.read(source_path, as_version=4)
+    exercises = notebook_exercises(teacher, f"{notebook}.ipynb")
+    answers = answer_regions(student, exercises)
+    by_cell = {ex.answer_cell: ex for ex in exercises}
+    checks = {ex.check_cell for ex in exercises}
+    plan: list[dict[str, Any]] = []
+    graded = copy.deepcopy(teacher)
+    for i, cell in enumerate(graded.cells):
+        if cell.cell_type != "code":
+            continue
+        cell.outputs, cell.execution_count = [], None
+        if i in by_cell:
+            ex = by_cell[i]
+            plan.append({"kind": "answer", "exercise": ex.number, "source": answers[ex.number]})
+            cell.source = (f"# {ex.title}\n# (graded: your answer runs in a process of its own)\n"
+                           f"_minillm_grading.answer({len(plan) - 1})")
+        elif i in checks:
+            plan.append({"kind": "check", "exercise": None, "source": ""})
+        else:
+            plan.append({"kind": "setup", "exercise": None, "source": cell.source})
+    folder = Path(tempfile.mkdtemp(prefix="minillm-grading-"))
+    plan_path = folder / "plan.json"
+    plan_path.write_text(json.dumps({"notebook": notebook, "cells": plan}))
+    start = nbformat.v4.new_code_cell(
+        "from minillm.course.exercises import grading as _minillm_grading\n"
+        f"_minillm_grading.start({str(plan_path)!r}, globals())")
+    start.metadata["minillm_grading"] = "start"
+    graded.cells.insert(0, start)
+    resources[_STUDENT_KEY] = student
+    resources[_PLAN_KEY] = str(folder)
+    return graded, resources
+
+
+def restored_notebook(graded: nbformat.NotebookNode, resources: dict) -> tuple[nbformat.NotebookNode, dict]:
+    """The student's notebook with the outputs of the notebook that ran (see :class:`GradingRestore`)."""
+    student = resources.pop(_STUDENT_KEY)
+    folder = resources.pop(_PLAN_KEY, None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+    by_grade = {_grade_id(c): c for c in graded.cells if _grade_id(c)}
+    by_id = {c.get("id"): c for c in graded.cells if c.get("id")}
+    start = next((c for c in graded.cells if c.get("metadata", {}).get("minillm_grading") == "start"), None)
+    for cell in student.cells:
+        if cell.cell_type != "code":
+            continue
+        ran = by_grade.get(_grade_id(cell)) if _grade_id(cell) else by_id.get(cell.get("id"))
+        if ran is not None and ran.cell_type == "code":
+            cell.outputs, cell.execution_count = ran.outputs, ran.execution_count
+        else:
+            cell.outputs, cell.execution_count = [], None
+    if start is not None and any(o.get("output_type") == "error" for o in start.outputs):
+        first = next((c for c in student.cells if c.cell_type == "code"), None)
+        if first is not None:
+            first.outputs = list(start.outputs) + list(first.outputs)
+    return student, resources
 
 
 # --- the capstone's siblings, during `nbgrader autograde` ---------------------------------------------------------

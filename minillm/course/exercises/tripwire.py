@@ -8,18 +8,19 @@ runs, every implementation of the part listed in :data:`BUILDS` is replaced by a
 :class:`DelegationError`: "Exercise 2.1 asks you to write this yourself: your code called minillm's
 ``compute_slot_mapping`` ...".
 
-What is replaced, and where:
+How: nothing is replaced. While the learner's code runs, a profile function (``sys.setprofile``) sees every
+Python call, and a call whose code is a target's (the function, the method, a Triton kernel's launch) or a copy of
+it raises. So the name that reached it does not matter: an import, an alias, ``super()``, a default argument that
+captured the function before the check started, a container, ``functools.partial``, a copied code object, the
+module loaded again. A refusal the answer catches still fails the call (:func:`guard`).
 
-- a method (``minillm.core.sched.scheduler:Scheduler._schedule_waiting``) on its class, so an instance call, a
-  ``super()`` call and a call through the base class all meet the tripwire;
-- a function or a Triton kernel (``minillm.attention.paged:compute_slot_mapping``) under every name that holds it:
-  in every ``minillm`` and ``kernels`` module (``from x import f`` copies the name), in the namespaces of the
-  learner's code (a notebook's globals, where ``from minillm... import f`` or ``my_f = f`` put it), and in the
-  closure cells of the learner's functions (``f`` captured from an enclosing function).
+The check's own reference calls run outside the guard, so they are never tripped. Other parts of the package stay
+usable: exercise 2.3 may call ``hash_block_tokens`` (one block's hash) but not ``hash_request_tokens`` (the chain it
+asks for).
 
-The check's own reference calls run outside the guard, so they are never tripped. Everything is put back when the
-learner's call returns or raises. Other parts of the package stay usable: exercise 2.3 may call
-``hash_block_tokens`` (one block's hash) but not ``hash_request_tokens`` (the chain it asks for).
+In a learner's kernel the answer and the check share one interpreter, so this is a teacher's aid, not a wall: when
+an exercise is graded, the answer runs in a process of its own (:mod:`minillm.course.exercises.grading`) and the
+guard runs there.
 
 vLLM has nothing like this: it is a course's device, in the spirit of a test double.
 """
@@ -156,132 +157,168 @@ def _exercise_of(target: str, numbers: list[str]) -> str:
     return next(n for n in numbers if target in targets_of(n))
 
 
-class _Tripwire:
-    """Stands in for a function or a kernel: calling it (or launching it, ``kernel[grid](...)``) raises."""
+class Trip:
+    """What :func:`building` caught: the exercise and the target the answer reached (``None`` if nothing)."""
 
-    def __init__(self, exercise: str, target: str, original: Any) -> None:
-        self.exercise, self.target, self.original = exercise, target, original
-        functools.update_wrapper(self, original, updated=()) if callable(original) else None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise DelegationError(self.exercise, self.target)
-
-    def __getitem__(self, grid: Any) -> "_Tripwire":
-        return self
-
-    def __get__(self, instance: Any, owner: type | None = None) -> Any:
-        # As a class attribute it behaves like the method it replaces: bound, and raising when called.
-        return self if instance is None else types.MethodType(self, instance)
-
-    def __repr__(self) -> str:
-        return f"<tripwire for {self.target} (exercise {self.exercise})>"
+    def __init__(self) -> None:
+        self.exercise: str | None = None
+        self.target: str | None = None
 
 
-def _learner_closures(objs: Iterable[Any]) -> list[types.CellType]:
-    """The closure cells of the learner's functions (and of their classes' methods): a package function captured
-    there (``f = compute_slot_mapping`` in an enclosing function) is replaced in the cell."""
-    cells: list[types.CellType] = []
-    todo = [o for o in objs if not isinstance(o, dict)]
-    while todo:
-        obj = todo.pop()
-        if isinstance(obj, type):
-            todo.extend(v for c in obj.__mro__ if not c.__module__.startswith(_PACKAGES) for v in vars(c).values())
-            continue
-        fn = getattr(getattr(obj, "fn", obj), "__func__", getattr(obj, "fn", obj))
-        if isinstance(fn, types.FunctionType) and not (fn.__module__ or "").startswith(_PACKAGES):
-            for cell in fn.__closure__ or ():
-                if cell not in cells:
-                    cells.append(cell)
-                    try:
-                        value = cell.cell_contents
-                    except ValueError:  # an empty cell
-                        continue
-                    if isinstance(value, types.FunctionType) and not (value.__module__ or "").startswith(_PACKAGES):
-                        todo.append(value)  # a learner helper captured by another
-    return cells
+def _innermost(obj: Any) -> Any:
+    """The function whose code runs when ``obj`` is called: through ``staticmethod``/``classmethod``, decorators
+    (``__wrapped__``) and a Triton kernel's ``.fn``."""
+    for _ in range(8):
+        inner = getattr(obj, "__func__", None) or getattr(obj, "__wrapped__", None)
+        if inner is None and not isinstance(obj, types.FunctionType):
+            inner = getattr(obj, "fn", None)
+        if inner is None:
+            return obj
+        obj = inner
+    return obj
 
 
-def _learner_namespaces(objs: Iterable[Any]) -> list[dict[str, Any]]:
-    """The global namespaces the learner's code reads its names from (a notebook's, for code defined in it)."""
-    found: dict[int, dict[str, Any]] = {}
+def _is_kernel(obj: Any) -> bool:
+    return type(obj).__name__ in ("JITFunction", "Autotuner", "Heuristics", "InterpretedFunction")
 
-    def add_function(fn: Any) -> None:
-        for _ in range(8):  # a decorated function (@torch.inference_mode()) reads its names from the one it wraps
-            fn = getattr(fn, "fn", fn)  # a Triton kernel keeps its Python function as .fn
-            fn = getattr(fn, "__func__", fn)
-            g = getattr(fn, "__globals__", None)
-            if isinstance(g, dict) and not str(g.get("__name__", "")).startswith(_PACKAGES):
-                found[id(g)] = g
-            fn = getattr(fn, "__wrapped__", None)
-            if fn is None:
-                break
 
-    for obj in objs:
-        if isinstance(obj, dict):
-            if not str(obj.get("__name__", "")).startswith(_PACKAGES):
-                found[id(obj)] = obj
-        elif isinstance(obj, type):
-            for cls in obj.__mro__:
-                if not cls.__module__.startswith(_PACKAGES):
-                    for value in vars(cls).values():
-                        add_function(value)
-        else:
-            add_function(obj)
-    return list(found.values())
+class _Watch:
+    """The code objects of the active targets, and the profile function that refuses them."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[list[str], Trip]] = []
+        self.codes: dict[str, list[tuple[types.CodeType, str, str]]] = {}  # co_name -> (code, exercise, target)
+        self.kernels: dict[int, tuple[str, str]] = {}  # id(code of a kernel's Python function) -> ...
+        self.kernel_run_codes: set[types.CodeType] = set()
+        self.previous: Any = None
+
+    def _load(self) -> None:
+        self.codes, self.kernels = {}, {}
+        for numbers, _ in self.stack:
+            for target in targets_of(numbers):
+                number = _exercise_of(target, numbers)
+                _, _, obj = _resolve(target)
+                fn = _innermost(obj)
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    self.codes.setdefault(code.co_name, []).append((code, number, target))
+                if _is_kernel(obj) or _is_kernel(getattr(obj, "fn", None)):
+                    self.kernel_run_codes |= _kernel_run_codes()
+                    for code_name in ("run", "__call__"):
+                        self.codes.setdefault(code_name, [])
+
+    def match(self, frame: types.FrameType) -> tuple[str, str] | None:
+        code = frame.f_code
+        if code in self.kernel_run_codes:
+            launched = frame.f_locals.get("self")
+            inner = getattr(_innermost(launched), "__code__", None)
+            if isinstance(inner, types.CodeType):
+                for target_code, number, target in self.codes.get(inner.co_name, ()):
+                    if _same_code(inner, target_code):
+                        return number, target
+            return None
+        for target_code, number, target in self.codes.get(code.co_name, ()):
+            if _same_code(code, target_code):
+                return number, target
+        return None
+
+    def profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_code.co_name not in self.codes:
+            return
+        hit = self.match(frame)
+        if hit is not None:
+            number, target = hit
+            for _, trip in self.stack:
+                if trip.target is None:
+                    trip.exercise, trip.target = number, target
+            global _LAST
+            _LAST = (number, target)
+            raise DelegationError(number, target)
+
+
+def _same_code(code: types.CodeType, target: types.CodeType) -> bool:
+    """The target's code, or a copy of it: the same object, an equal one (``code.replace()``, the module loaded
+    again), the same place in the same file, or the same bytecode with the same names (compiled again from its
+    source)."""
+    return (code is target or code == target
+            or (code.co_filename == target.co_filename and code.co_firstlineno == target.co_firstlineno)
+            or (code.co_code == target.co_code and code.co_names == target.co_names
+                and code.co_varnames == target.co_varnames))
+
+
+def _kernel_run_codes() -> set[types.CodeType]:
+    """The code of Triton's kernel launch (``kernel[grid](...)`` ends in ``JITFunction.run``), if Triton is loaded."""
+    found: set[types.CodeType] = set()
+    jit = sys.modules.get("triton.runtime.jit")
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    for cls in (getattr(jit, "JITFunction", None), getattr(interpreter, "InterpretedFunction", None)):
+        for name in ("run", "__call__"):
+            fn = getattr(cls, name, None) if cls is not None else None
+            if isinstance(fn, types.FunctionType):
+                found.add(fn.__code__)
+    return found
+
+
+_WATCH = _Watch()
+_LAST: tuple[str, str] | None = None
+
+
+def tripped() -> tuple[str, str] | None:
+    """``(exercise, target)`` of the last refusal in this process, or ``None``."""
+    return _LAST
+
+
+def active_exercises() -> list[str]:
+    """The exercises of the innermost open :func:`building` block (``[]`` outside any)."""
+    return list(_WATCH.stack[-1][0]) if _WATCH.stack else []
+
+
+def _remote_grading() -> bool:
+    grading = sys.modules.get("minillm.course.exercises.grading")
+    return bool(getattr(grading, "ACTIVE", False))
 
 
 @contextmanager
-def building(exercises: str | Iterable[str], *learner: Any) -> Iterator[None]:
-    """Inside the ``with`` block, the package's implementations of the exercises' parts raise
-    :class:`DelegationError`.
+def building(exercises: str | Iterable[str], *learner: Any) -> Iterator[Trip]:
+    """Inside the ``with`` block, running the package's implementation of the exercises' parts raises
+    :class:`DelegationError`, whatever name reached it.
+
+    The refusal is by code, not by name: a profile function (``sys.setprofile``) watches every Python call and
+    refuses one whose code is a target's, or a copy of it (:func:`_same_code`): a default argument holding the
+    package's function, an alias, a container, ``functools.partial``, a bound method, a copied code object, the
+    module loaded again, a Triton kernel launched under another name. Nothing is replaced, so there is no original
+    to hand back.
+
+    Yields a :class:`Trip`; if the answer catches the refusal and goes on, ``trip.target`` still says what it
+    reached (:func:`guard` then fails the call). In the grading process (:mod:`minillm.course.exercises.grading`),
+    where no answer runs, the block only names the exercises for the calls that go to the answer's process.
 
     Args:
         exercises: ``"2.1"``, or several numbers (the capstone's scheduler: ``("4.1", "4.2", "4.3")``).
-        learner: the learner's functions, classes or namespaces (dicts) whose global names must be covered too.
-            The namespace of the code that opens the block is always covered.
+        learner: accepted for compatibility; the refusal no longer needs the learner's namespaces.
     """
     numbers = [exercises] if isinstance(exercises, str) else list(exercises)
-    owner_of = {t: n for n in numbers for t in targets_of(n)}  # target -> the exercise that asks for it
-    caller = sys._getframe(2).f_globals  # noqa: SLF001 - the check cell's namespace (frame 1 is contextmanager's)
-    namespaces = _learner_namespaces([*learner, caller])
-    closures = _learner_closures(learner)
-    undo: list[tuple[Any, str, Any]] = []  # (dict, class or closure cell, name, the value it held)
+    targets_of(numbers)  # ValueError for an unknown number, before anything starts
+    trip = Trip()
+    outermost = not _WATCH.stack
+    _WATCH.stack.append((numbers, trip))
+    watching = not _remote_grading()
     try:
-        packages = [m.__dict__ for name, m in list(sys.modules.items())
-                    if name.split(".")[0] in _PACKAGES and isinstance(m, types.ModuleType)]
-        for target, number in owner_of.items():
-            owner, name, original = _resolve(target)
-            if isinstance(original, _Tripwire):
-                continue  # already guarded by an enclosing block
-            wire = _Tripwire(number, target, original)
-            if isinstance(owner, type):
-                undo.append((owner, name, original))
-                setattr(owner, name, wire)
-            # A method read off its class (``f = ModelRunner._update_states``) is the plain function, a copy the
-            # class attribute's replacement does not reach: it is looked for by name too, as a function is.
-            copies = (original, getattr(original, "__func__", original))
-            for ns in [*packages, *namespaces]:
-                for key, value in list(ns.items()):
-                    if any(value is c for c in copies):
-                        undo.append((ns, key, value))
-                        ns[key] = wire
-            for cell in closures:
-                try:
-                    held = cell.cell_contents
-                except ValueError:
-                    continue
-                if any(held is c for c in copies):
-                    undo.append((cell, "", held))
-                    cell.cell_contents = wire
-        yield
+        if watching:
+            _WATCH._load()
+            if outermost:
+                _WATCH.previous = sys.getprofile()
+            sys.setprofile(_WATCH.profile)
+        yield trip
     finally:
-        for where, name, original in reversed(undo):
-            if isinstance(where, type):
-                setattr(where, name, original)
-            elif isinstance(where, types.CellType):
-                where.cell_contents = original
+        _WATCH.stack.pop()
+        if watching:
+            if outermost:
+                sys.setprofile(_WATCH.previous)
+                _WATCH.previous = None
             else:
-                where[name] = original
+                _WATCH._load()
+                sys.setprofile(_WATCH.profile)
 
 
 def _is_package_object(obj: Any, numbers: list[str]) -> str | None:
@@ -302,27 +339,75 @@ def guard(exercises: str | Iterable[str], learner: Any) -> Any:
     """The learner's function or class, made to run inside :func:`building` each time it is called.
 
     - A function (or a Triton kernel's launcher) becomes a wrapper that runs it under the guard. If it *is* one of
-      the package's implementations (``my_f = compute_slot_mapping``), calling the wrapper raises at once.
+      the package's implementations (``my_f = compute_slot_mapping``), calling the wrapper raises at once. If the
+      answer reached the package's implementation and caught the refusal, the call still fails.
     - A class becomes a subclass whose methods, those the learner's own classes define, run under the guard. A
       method the exercise asks for that the class does not define (so it would inherit the package's) raises
       :class:`DelegationError` here, when the check starts.
+
+    The wrapper keeps the learner's name and docstring but holds no reference a caller could unwrap
+    (``__wrapped__``). While grading (:mod:`minillm.course.exercises.grading`) an answer the lint refused raises
+    its :class:`~minillm.course.exercises.lint.AnswerRefused` here.
     """
     numbers = [exercises] if isinstance(exercises, str) else list(exercises)
+    grading = sys.modules.get("minillm.course.exercises.grading")
+    if grading is not None and getattr(grading, "ACTIVE", False):
+        grading.raise_if_refused(numbers, learner)
     if isinstance(learner, type):
         return _guard_class(numbers, learner)
     if not callable(learner):
         raise TypeError(f"guard() takes the learner's function or class, got {type(learner).__name__}: {learner!r}")
     same = _is_package_object(learner, numbers)
 
-    @functools.wraps(learner)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if same is not None:
             raise DelegationError(_exercise_of(same, numbers), same)
-        with building(numbers, learner):
-            return learner(*args, **kwargs)
+        return _run_guarded(numbers, learner, args, kwargs)
 
-    guarded.__wrapped_learner__ = learner  # type: ignore[attr-defined]
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        try:
+            setattr(guarded, attr, getattr(learner, attr))
+        except (AttributeError, TypeError):
+            pass
+    if hasattr(learner, "__getitem__") and not isinstance(learner, type):  # a Triton kernel: kernel[grid](...)
+        return _GuardedKernel(numbers, learner, guarded)
     return guarded
+
+
+def _run_guarded(numbers: list[str], fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` under :func:`building`; a refusal the answer caught still fails the call."""
+    with building(numbers) as trip:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            if trip.target is not None:
+                raise DelegationError(trip.exercise or numbers[0], trip.target) from None
+            raise
+    if trip.target is not None:
+        raise DelegationError(trip.exercise or numbers[0], trip.target)
+    return result
+
+
+class _GuardedKernel:
+    """A learner's Triton kernel under the guard: ``kernel[grid](...)`` and ``kernel(...)`` run in
+    :func:`building`."""
+
+    def __init__(self, numbers: list[str], kernel: Any, call: Callable[..., Any]) -> None:
+        self._numbers, self._kernel, self._call = numbers, kernel, call
+        self.__name__ = getattr(kernel, "__name__", "kernel")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        same = _is_package_object(self._kernel, self._numbers)
+        launcher = self._kernel[grid]
+
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            if same is not None:
+                raise DelegationError(_exercise_of(same, self._numbers), same)
+            return _run_guarded(self._numbers, launcher, args, kwargs)
+        return launch
 
 
 def _guard_class(numbers: list[str], cls: type) -> type:
@@ -340,15 +425,13 @@ def _guard_class(numbers: list[str], cls: type) -> type:
                 methods[key] = value
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with building(numbers, cls):
-                return fn(self, *args, **kwargs)
+            return _run_guarded(numbers, fn, (self, *args), kwargs)
+        run.__name__, run.__qualname__, run.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
         return run
 
     guarded = type(cls.__name__, (cls,), {k: wrap(v) for k, v in methods.items()
                                           if not (k.startswith("__") and k.endswith("__"))})
     guarded.__qualname__ = cls.__qualname__
     guarded.__module__ = cls.__module__
-    guarded.__wrapped_learner__ = cls  # type: ignore[attr-defined]
     return guarded

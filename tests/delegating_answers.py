@@ -305,3 +305,167 @@ def answer_cell(number: str) -> str:
         head.append(line)
     body = CHALLENGE_DELEGATING[number] if number.startswith("C") else DELEGATING[number]
     return "\n".join(head) + "\n" + body.strip("\n") + "\n"
+
+
+def cheat_cell(number: str, body: str) -> str:
+    """A whole answer cell for exercise ``number`` holding ``body`` (one of :data:`CHEATS`), after the solution
+    cell's leading comment lines (its title: how the grader finds the answer)."""
+    head = []
+    for line in solution_cell(number).splitlines():
+        if not line.startswith("#"):
+            break
+        head.append(line)
+    return "\n".join(head) + "\n" + body.strip("\n") + "\n"
+
+
+# --- cheats: what a clever student tried, per chapter graded in `make test` ------------------------------------------
+# Each entry is (what it tries, the answer cells by exercise). A cheat in one answer cell can aim at every check of
+# the notebook (the input transformer, a patched checker), so each student's notebook must score 0 in every cell.
+# tests/test_nbgrader.py autogrades them with nbgrader (chapters 06 and 10 in `make test`); tests/test_grading.py runs
+# the same tricks against the checks directly.
+TRANSFORMER = '''
+get_ipython().input_transformers_cleanup.append(
+    lambda lines: ["pass\\n"] if lines and lines[0].startswith("# Check") else lines)
+'''
+
+CHEATS: dict[str, dict[str, dict[str, str]]] = {
+    "06_engine": {
+        "cheat_transformer_and_patches": {
+            # one line rewrites every check cell before it runs; then the checker and the guard are patched
+            "6.1": TRANSFORMER + '''
+def my_prepare_inputs(scheduler_output, requests, block_size, device="cpu"):
+    raise NotImplementedError
+''',
+            "6.2": '''
+from minillm.course.exercises import tripwire
+tripwire.building = lambda *a, **k: __import__("contextlib").nullcontext()
+guard = lambda numbers, learner: learner
+
+
+def my_step(engine):
+    return engine.step()
+''',
+            "C6": '''
+import minillm.course.exercises.challenges.ch06 as _ch06
+
+
+def my_parallel_sample(engine, request_id, prompt_ids, params, n):
+    return _ch06.parallel_sample(engine, request_id, prompt_ids, params, n)
+''',
+        },
+        "cheat_captures": {
+            # the answer the check computed just before (6.1's `want`); the package's step taken before the check
+            "6.1": '''
+def my_prepare_inputs(scheduler_output, requests, block_size, device="cpu"):
+    return want
+''',
+            "6.2": '''
+def my_step(engine, _step=LLMEngine.step):
+    return _step(engine)
+''',
+            "C6": '''
+import functools
+import inspect
+
+_impls = [functools.partial(LLMEngine.step)]
+
+
+def my_parallel_sample(engine, request_id, prompt_ids, params, n):
+    engine.add_request(request_id, prompt_ids, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += _impls[0](engine)
+    return inspect.unwrap(outs)
+''',
+        },
+    },
+    "10_engine_core": {
+        "cheat_transformer_and_patches": {
+            "10.1": TRANSFORMER + '''
+import minillm.course.exercises.ch10 as _ch10
+_ch10.check_update_states = lambda *a, **k: {"preempted": 1, "resumed": 1, "left out by the budget": 1}
+
+
+def update_states(batch, requests, scheduler_output):
+    raise NotImplementedError
+''',
+            "10.2": '''
+from minillm.core.sched.async_scheduler import AsyncScheduler
+
+
+class PlaceholderScheduler(Scheduler):
+    _update_after_schedule = AsyncScheduler._update_after_schedule          # a class attribute alias
+    _update_request_with_output = AsyncScheduler._update_request_with_output
+''',
+            "C10": CHALLENGE_DELEGATING["C10"],
+            "10.3": '''
+import functools
+import types
+
+from minillm.model.parallel_layers import num_kv_heads_per_rank
+
+_per_rank = functools.partial(num_kv_heads_per_rank)
+_copy = types.FunctionType(num_kv_heads_per_rank.__code__, num_kv_heads_per_rank.__globals__)
+
+
+def kv_heads_of_rank(num_kv_heads, tp_size, rank):
+    per_rank = _copy(num_kv_heads, tp_size)
+    first = rank // max(1, tp_size // num_kv_heads) * per_rank
+    return list(range(first, first + per_rank))
+
+
+def num_blocks_per_rank(config, block_size, dtype_bytes, tp_size, budget_bytes):
+    return budget_bytes // (block_size * dtype_bytes * 2 * config.num_hidden_layers * config.head_dim
+                            * _per_rank(config.num_key_value_heads, tp_size))
+''',
+        },
+        "cheat_captures": {
+            "10.1": '''
+from types import SimpleNamespace
+
+from minillm.worker.model_runner import ModelRunner
+
+
+def update_states(batch, requests, scheduler_output, _ref=ModelRunner._update_states):
+    _ref(SimpleNamespace(input_batch=batch, requests=requests, device="cpu"), scheduler_output)
+''',
+            "10.2": '''
+import gc
+import sys
+
+
+class PlaceholderScheduler(Scheduler):
+    def _update_after_schedule(self, scheduler_output):
+        caller = sys._getframe(1)
+        while caller is not None and "ref" not in caller.f_locals:
+            caller = caller.f_back
+        gc.collect()
+        super()._update_after_schedule(scheduler_output)
+
+    def _update_request_with_output(self, request, new_token_ids):
+        return super()._update_request_with_output(request, new_token_ids)
+''',
+            "10.3": '''
+import importlib
+import inspect
+
+import minillm.model.parallel_layers as _pl
+
+_again = importlib.reload(_pl)
+_src = {}
+exec(inspect.getsource(_pl.num_kv_heads_per_rank), _src)
+
+
+def kv_heads_of_rank(num_kv_heads, tp_size, rank):
+    per_rank = _again.num_kv_heads_per_rank(num_kv_heads, tp_size)
+    first = rank // max(1, tp_size // num_kv_heads) * per_rank
+    return list(range(first, first + per_rank))
+
+
+def num_blocks_per_rank(config, block_size, dtype_bytes, tp_size, budget_bytes):
+    return budget_bytes // (block_size * dtype_bytes * 2 * config.num_hidden_layers * config.head_dim
+                            * _src["num_kv_heads_per_rank"](config.num_key_value_heads, tp_size))
+''',
+        },
+    },
+}

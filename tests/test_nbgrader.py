@@ -257,16 +257,59 @@ def _submit_delegating(course: Path, assignment: str) -> None:
         nbformat.write(delegate(learner_notebook(_read(ROOT / "solutions" / name), set())), folder / name)
 
 
+def _submit_cheats(course: Path) -> dict[str, list[str]]:
+    """The cheating students of tests/delegating_answers.py (``CHEATS``), each with their answer cells in the
+    released notebook; returns assignment -> students."""
+    from tests.delegating_answers import CHEATS, cheat_cell
+
+    submitted: dict[str, list[str]] = {}
+    for assignment, students in CHEATS.items():
+        for student, cells in students.items():
+            nb = _read(course / "release" / assignment / f"{assignment}.ipynb")
+            for cell in nb.cells:
+                m = (re.match(r"# (?:Exercise (\d+\.\d+)|Challenge (\d+)):", cell.source)
+                     if cell.cell_type == "code" else None)
+                number = m and (m.group(1) or f"C{m.group(2)}")
+                if number in cells:
+                    cell.source = cheat_cell(number, cells[number])
+            folder = course / "submitted" / student / assignment
+            folder.mkdir(parents=True, exist_ok=True)
+            nbformat.write(nb, folder / f"{assignment}.ipynb")
+            submitted.setdefault(assignment, []).append(student)
+    return submitted
+
+
 @pytest.fixture(scope="module")
 def graded(course):
-    """The sample students graded on CHAPTERS (and a student whose answers delegate to the package): returns
-    assignment -> student -> grade id -> score, per run."""
+    """The sample students graded on CHAPTERS, a student whose answers delegate to the package, and the cheating
+    students (chapters 06 and 10): returns assignment -> student -> grade id -> score, per run."""
     for assignment in DELEGATING_CHAPTERS:
         _submit_delegating(course, assignment)
-    grade_samples(course, CHAPTERS, ROOT / "solutions")  # autograde grades every submission not yet graded
-    return {a: {s: cell_scores(course, a, s)
-                for s in (*SAMPLE_STUDENTS, *([DELEGATING_STUDENT] if a in DELEGATING_CHAPTERS else []))}
-            for a in CHAPTERS}
+    cheats = _submit_cheats(course)
+    # autograde grades every submission not yet graded: the cheats' chapters too
+    grade_samples(course, CHAPTERS, ROOT / "solutions", also=sorted(cheats))
+    scores = {a: {s: cell_scores(course, a, s)
+                  for s in (*SAMPLE_STUDENTS, *([DELEGATING_STUDENT] if a in DELEGATING_CHAPTERS else []))}
+              for a in CHAPTERS}
+    for assignment, students in cheats.items():
+        scores.setdefault(assignment, {}).update({s: cell_scores(course, assignment, s) for s in students})
+    return scores
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(GRADE_TIMEOUT)
+def test_every_cheat_scores_zero(graded):
+    """tests/delegating_answers.py's CHEATS: an input transformer that rewrites the check cells, a patched checker
+    and tripwire, a rebound guard, the check's own answer read from a global or the caller's frame, the package's
+    function captured in a default argument, an alias, a container, a partial, a copied code object, the module
+    loaded again, getsource + exec, unwrap and gc. Each student scores 0 in every cell."""
+    from tests.delegating_answers import CHEATS
+
+    for assignment, students in CHEATS.items():
+        for student in students:
+            cells = graded[assignment][student]
+            assert cells, f"{assignment}, {student}: no graded cell"
+            assert all(score == 0.0 for score, _ in cells.values()), f"{assignment}, {student}: {cells}"
 
 
 @pytest.mark.slow

@@ -12,18 +12,28 @@ from pathlib import Path
 
 from minillm.course.exercises.build import build_all
 
+# The repository's folders, wherever the command runs from (the package is installed from the repository, editable).
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _default(folder: str) -> Path:
+    """``folder`` (``solutions``, ``exercises``) in the working directory if it is there, else the repository's."""
+    here = Path(folder)
+    return here if here.is_dir() else REPO / folder
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minillm.course.exercises")
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="write exercises/*.ipynb from solutions/*.ipynb")
     b.add_argument("--check", action="store_true", help="write nothing; exit 1 if exercises/ is out of date")
-    b.add_argument("--solutions", type=Path, default=Path("solutions"))
-    b.add_argument("--exercises", type=Path, default=Path("exercises"))
+    b.add_argument("--solutions", type=Path, default=_default("solutions"))
+    b.add_argument("--exercises", type=Path, default=_default("exercises"))
     g = sub.add_parser("nbgrader", help="write an nbgrader course directory (source/ and nbgrader_config.py) "
                                         "from solutions/*.ipynb")
     g.add_argument("dir", type=Path, help="the course directory (created if needed)")
-    g.add_argument("--solutions", type=Path, default=Path("solutions"))
+    g.add_argument("--solutions", type=Path, default=_default("solutions"),
+                   help="the solution notebooks (default: ./solutions, else the repository's)")
     g.add_argument("--demo", nargs="+", metavar="ASSIGNMENT",
                    help="then generate these assignments and autograde three sample students on them "
                         "(sample_solved, sample_unsolved, sample_half) with nbgrader")

@@ -15,6 +15,7 @@ the answer's own outputs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import pickle
@@ -114,6 +115,7 @@ class AnswerServer:
 
     def _load(self, data: bytes) -> Any:
         self._keep: list[Any] = []
+        remote.begin_request()
         unpickler = pickle.Unpickler(io.BytesIO(data))
         unpickler.persistent_load = self._persistent_load  # type: ignore[method-assign]
         message = unpickler.load()
@@ -177,8 +179,8 @@ class AnswerServer:
                     return ("opaque", server._opaque_back[id(obj)])
                 if isinstance(obj, type) and (obj.__module__ == "__main__" or id(obj) in server.composed_back):
                     return ("class", server.class_ref(obj))
-                if isinstance(obj, (types.FunctionType, types.MethodType)) and \
-                        getattr(obj, "__module__", None) == "__main__":
+                if isinstance(obj, (types.MethodType, functools.partial)) or (
+                        isinstance(obj, types.FunctionType) and getattr(obj, "__module__", None) == "__main__"):
                     return ("handle", server._handle(obj), getattr(obj, "__name__", "function"))
                 if type(obj).__name__ == "JITFunction" and getattr(obj, "__module__", None) == "__main__":
                     return ("handle", server._handle(obj), getattr(obj, "__name__", "kernel"))

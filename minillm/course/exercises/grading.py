@@ -40,6 +40,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from minillm.course.exercises import remote
 
 ACTIVE = False  # grading mode is on in this process (set by start())
@@ -226,6 +228,7 @@ class AnswerClient:
     def _dumps(self, message: Any) -> tuple[bytes, dict[int, Any]]:
         shared = remote.shared_objects(self.namespace)
         client = self
+        storages: set[int] = set()
 
         class RequestPickler(pickle.Pickler):
             def persistent_id(self, obj: Any) -> Any:
@@ -243,6 +246,8 @@ class AnswerClient:
                 return None
 
             def reducer_override(self, obj: Any) -> Any:
+                if isinstance(obj, torch.Tensor):
+                    return remote.view_reduce(obj, storages)
                 if not isinstance(obj, type) and _stand_in_of(type(obj)) is not None:
                     state = dict(vars(obj)) if hasattr(obj, "__dict__") else None
                     return (object.__new__, (type(obj),), state)

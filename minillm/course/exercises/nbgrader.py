@@ -670,8 +670,8 @@ def cell_scores(course_dir: str | Path, assignment: str, student: str,
     return out
 
 
-def grade_samples(course_dir: str | Path, assignments: list[str],
-                  solutions: str | Path = "solutions") -> dict[str, dict[str, float]]:
+def grade_samples(course_dir: str | Path, assignments: list[str], solutions: str | Path = "solutions",
+                  also: list[str] | tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
     """Submit the three sample students' copies of ``assignments`` (:func:`write_sample_submissions`; their
     earlier grading and feedback are removed first), then ``nbgrader autograde`` and ``nbgrader
     generate_feedback``. The assignments must have been generated (``nbgrader generate_assignment``).
@@ -679,6 +679,8 @@ def grade_samples(course_dir: str | Path, assignments: list[str],
     With several assignments, autograde and feedback run once over all of them (``*``: one nbgrader start instead
     of one per assignment); they then also grade any other submission of the course directory not graded yet, so
     give the samples a course directory of their own.
+
+    ``also``: more assignments whose submissions (already in place) are graded in the same run.
 
     Returns:
         assignment -> student -> the score the student must get (the points of the exercises they answered).
@@ -690,7 +692,7 @@ def grade_samples(course_dir: str | Path, assignments: list[str],
             for step in ("autograded", "feedback"):
                 shutil.rmtree(course_dir / step / student / assignment, ignore_errors=True)
         expected[assignment] = write_sample_submissions(course_dir, assignment, solutions)
-    which = assignments[0] if len(assignments) == 1 else "*"
+    which = assignments[0] if len(set(assignments) | set(also)) == 1 else "*"
     nbgrader(course_dir, "autograde", which)
     nbgrader(course_dir, "generate_feedback", which)
     return expected

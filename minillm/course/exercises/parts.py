@@ -169,6 +169,11 @@ def _load_notebook(path: Path) -> tuple[dict[str, Any], dict[str, str], str | No
     cells = [c.source for c in nb.cells if c.cell_type == "code"]
     ns: dict[str, Any] = {"__name__": f"learner_{path.stem}"}
     exercises = _exercise_cells(cells)
+    from minillm.course.exercises import grading
+
+    if grading.ACTIVE:  # graded: the answers run in a process of their own, and come back as proxies
+        ns, error = grading.load_answers(path.stem, _imports_of(cells), exercises)
+        return ns, exercises, error
     try:
         exec(compile(_imports_of(cells), f"{path.name}:imports", "exec"), ns)  # noqa: S102
     except Exception as e:  # noqa: BLE001 - reported to the learner, with the notebook's name

@@ -131,6 +131,43 @@ def tensor_reduce(t: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[A
     return rebuild_tensor, (str(t.dtype).removeprefix("torch."), tuple(t.shape), data, bool(t.requires_grad))
 
 
+# --- tensors there (the request side): views keep sharing their storage -------------------------------------------
+
+_STORAGES: dict[int, Any] = {}  # the storages of the request being read (answer side), by the sender's key
+
+
+def begin_request() -> None:
+    """Forget the storages of the previous request (answer side, before reading one)."""
+    _STORAGES.clear()
+
+
+def rebuild_view(key: int, data: bytes | None, dtype: str, offset: int, size: tuple[int, ...],
+                 stride: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+    """A tensor on a storage of the request: the first tensor of a storage brings its bytes, the others (its views)
+    only its key, so an answer writing through a view changes the tensor it is a view of, as in the learner's
+    kernel."""
+    storage = _STORAGES.get(key)
+    if storage is None:
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        storage = _STORAGES[key] = raw.untyped_storage()
+    out = torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, offset, size, stride)
+    return out.requires_grad_(requires_grad) if requires_grad and out.is_floating_point() else out
+
+
+def view_reduce(t: torch.Tensor, sent: set[int]) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
+    """How a tensor travels to the answer's process (:func:`rebuild_view`); ``sent``: the storages this request
+    carries already."""
+    storage = t.untyped_storage()
+    key = storage.data_ptr() or id(storage)
+    data = None
+    if key not in sent:
+        sent.add(key)
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+        data = raw.numpy().tobytes() if raw.numel() else b""
+    return rebuild_view, (key, data, str(t.dtype).removeprefix("torch."), t.storage_offset(), tuple(t.shape),
+                          tuple(t.stride()), bool(t.requires_grad))
+
+
 # --- the new state of an object that was sent ----------------------------------------------------------------------
 
 _IMMUTABLE = (str, bytes, int, float, complex, bool, tuple, frozenset, type(None), range, slice, torch.dtype,
@@ -149,7 +186,7 @@ def states_of(memo: dict[int, Any], versions: dict[int, int]) -> list[tuple[int,
             continue
         if isinstance(obj, torch.Tensor):
             if i in versions and obj._version != versions[i]:
-                out.append((i, "tensor", obj))
+                out.append((i, "tensor", obj.detach().clone()))  # a copy: the object itself would go as its name
         elif isinstance(obj, collections.deque):
             out.append((i, "deque", list(obj)))
         elif isinstance(obj, list):
@@ -270,7 +307,11 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             return rebuild_tensor
         if _package_class(module) and "." not in name:
             obj = super().find_class(module, name)
-            if isinstance(obj, type) and not issubclass(obj, BaseException):
+            if (isinstance(obj, type) and not issubclass(obj, BaseException)) or isinstance(obj, types.FunctionType):
+                return obj  # a function is only a value here: REDUCE refuses to call it
+        if module.startswith("torch.nn.") and "." not in name:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
                 return obj
         raise WireError(f"the answer's process sent a reference to {module}.{name}, which a check never needs")
 

@@ -238,12 +238,10 @@ class _Watch:
 
 def _same_code(code: types.CodeType, target: types.CodeType) -> bool:
     """The target's code, or a copy of it: the same object, an equal one (``code.replace()``, the module loaded
-    again), the same place in the same file, or the same bytecode with the same names (compiled again from its
-    source)."""
+    again), or the same place in the same file. (Not "the same bytecode": an honest answer may compile to the very
+    bytecode of the package's method, and the lint refuses ``exec``/``compile`` that could copy it from source.)"""
     return (code is target or code == target
-            or (code.co_filename == target.co_filename and code.co_firstlineno == target.co_firstlineno)
-            or (code.co_code == target.co_code and code.co_names == target.co_names
-                and code.co_varnames == target.co_varnames))
+            or (code.co_filename == target.co_filename and code.co_firstlineno == target.co_firstlineno))
 
 
 def _kernel_run_codes() -> set[types.CodeType]:
@@ -351,7 +349,7 @@ def guard(exercises: str | Iterable[str], learner: Any) -> Any:
     """
     numbers = [exercises] if isinstance(exercises, str) else list(exercises)
     grading = sys.modules.get("minillm.course.exercises.grading")
-    if grading is not None and getattr(grading, "ACTIVE", False):
+    if grading is not None:
         grading.raise_if_refused(numbers, learner)
     if isinstance(learner, type):
         return _guard_class(numbers, learner)

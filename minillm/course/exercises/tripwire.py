@@ -351,6 +351,8 @@ def guard(exercises: str | Iterable[str], learner: Any) -> Any:
     grading = sys.modules.get("minillm.course.exercises.grading")
     if grading is not None:
         grading.raise_if_refused(numbers, learner)
+    if not getattr(grading, "ACTIVE", False):
+        _lint_in_kernel(numbers)
     if isinstance(learner, type):
         return _guard_class(numbers, learner)
     if not callable(learner):
@@ -370,6 +372,39 @@ def guard(exercises: str | Iterable[str], learner: Any) -> Any:
     if hasattr(learner, "__getitem__") and not isinstance(learner, type):  # a Triton kernel: kernel[grid](...)
         return _GuardedKernel(numbers, learner, guarded)
     return guarded
+
+
+_ANSWER_TITLE = re.compile(r"^\s*#\s*(?:Exercise\s+(\d+\.\d+)|Challenge\s+(\d+))\s*:")
+
+
+def _lint_in_kernel(numbers: list[str]) -> None:
+    """In a learner's kernel, lint the answer as grading will (:mod:`minillm.course.exercises.lint`), so a
+    refused answer is refused here too, with the same message: the answer is the last cell run whose first line is
+    the exercise's title, and the cells run after it up to a check cell. Nothing happens outside IPython."""
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
+    if not history:
+        return
+    from minillm.course.exercises.lint import check_answer
+
+    for number in numbers:
+        start = None
+        for i in range(len(history) - 1, -1, -1):
+            m = _ANSWER_TITLE.match(history[i])
+            if m and (m.group(1) or f"C{m.group(2)}") == number:
+                start = i
+                break
+        if start is None:
+            continue
+        region = [history[start]]
+        for src in history[start + 1:]:
+            if src.lstrip().startswith("# Check") or _ANSWER_TITLE.match(src):
+                break
+            region.append(src)
+        try:
+            check_answer("\n\n".join(region), number)
+        except SyntaxError:
+            pass
 
 
 def _run_guarded(numbers: list[str], fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -185,3 +185,30 @@ def test_a_refused_answer_says_why_wherever_it_is_used():
         guard("2.1", refused)
     with pytest.raises(AssertionError, match="line 1: refused"):
         refused(1, 2)
+
+
+def test_in_a_learners_kernel_the_answer_is_linted_as_grading_lints_it(monkeypatch):
+    """In JupyterLab the guard finds the answer in the kernel's input history (its ``# Exercise N.M:`` cell and the
+    cells after it, up to a check) and refuses it with the lint's message, as grading does; an honest answer run
+    again after a refused one passes."""
+    import types
+
+    import IPython
+
+    from minillm.course.exercises.lint import AnswerRefused
+
+    history: list[str] = ["", "import torch\nimport inspect"]
+    shell = types.SimpleNamespace(history_manager=types.SimpleNamespace(input_hist_raw=history))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+
+    def learner(x):
+        return x
+
+    history += ["# Exercise 2.1: slots\ndef learner(x):\n    return x",
+                "helper = inspect.getsource(learner)",   # a cell of the answer region, after the title cell
+                "# Check Exercise 2.1\n..."]
+    with pytest.raises(AnswerRefused, match=r"Exercise 2\.1, line \d+: .*inspect"):
+        guard("2.1", learner)
+    history += ["# Exercise 2.1: slots\ndef learner(x):\n    return x", "# Check Exercise 2.1\n..."]
+    assert guard("2.1", learner)(3) == 3
+    assert guard("2.2", learner)(4) == 4  # no 2.2 answer in the history: nothing to lint

@@ -426,6 +426,23 @@ def _rebuild_error(info: Any) -> BaseException:
 
 # --- the capstone: a notebook's answers loaded in a process of their own ---------------------------------------------
 
+def _refused_imports(imports: str) -> str | None:
+    """Why a notebook's import lines may not run, or ``None``: they may not import the course's checks
+    (``minillm.course``). What each answer then does with the names is linted with the answer."""
+    try:
+        tree = ast.parse(imports)
+    except SyntaxError:
+        return None  # the learner's own error: it shows when the lines run
+    for node in ast.walk(tree):
+        modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                   else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                   if isinstance(node, ast.ImportFrom) else [])
+        for module in modules:
+            if module == "minillm.course" or module.startswith("minillm.course."):
+                return f"line {node.lineno} imports {module}, the course's checks; an answer may not import them"
+    return None
+
+
 def load_answers(label: str, imports: str, answers: dict[str, str]) -> tuple[dict[str, Any], str | None]:
     """The capstone's loader in grading mode (:func:`minillm.course.exercises.parts.load_learner_parts`): run a
     notebook's import lines and its answers in a new answer process, each answer linted first. Returns the names
@@ -434,12 +451,9 @@ def load_answers(label: str, imports: str, answers: dict[str, str]) -> tuple[dic
 
     namespace: dict[str, Any] = {"__name__": f"learner_{label}"}
     client = AnswerClient(namespace)
-    try:
-        check_answer(imports, "imports")
-    except AnswerRefused as e:
-        return namespace, f"its import lines were refused: {e}"
-    except SyntaxError:
-        pass
+    refused = _refused_imports(imports)
+    if refused:
+        return namespace, f"its import lines were refused: {refused}"
     try:
         client.request(("run", f"{label}:imports", imports))
     except Exception as e:  # noqa: BLE001

@@ -354,7 +354,12 @@ def _nbgrader_classes() -> dict[str, type]:
                 return super()._add_score(cell, resources)
             grade = self.gradebook.find_grade(cell.metadata["nbgrader"]["grade_id"], self.notebook_id,
                                               self.assignment_id, self.student_id)
-            failed = any(out.output_type == "error" for out in cell.outputs)
+            # Fail closed: a check that did not run here, under grading (GradingPrepare/GradingRestore), earns nothing
+            ran = resources.get(_GRADED_KEY) is True and cell.get("execution_count") is not None
+            if not ran:
+                self.log.error("%s: check cell %s did not run under grading out of the answer's reach: 0 points",
+                               self.notebook_id, cell.metadata["nbgrader"]["grade_id"])
+            failed = not ran or any(out.output_type == "error" for out in cell.outputs)
             grade.auto_score = 0.0 if failed else float(cell.metadata["nbgrader"]["points"])
             if cell.metadata["nbgrader"]["grade_id"].startswith("challenge-"):  # an open challenge: extra credit
                 grade.extra_credit = 0.0 if failed else float(CHALLENGE_EXTRA_CREDIT)
@@ -362,6 +367,7 @@ def _nbgrader_classes() -> dict[str, type]:
             self.gradebook.db.commit()
 
     from nbconvert.preprocessors import Preprocessor
+    from traitlets import Bool
 
     class GradingPrepare(Preprocessor):
         """Before ``Execute``: the notebook the kernel runs becomes the teacher's own (``source/``), each answer
@@ -370,12 +376,16 @@ def _nbgrader_classes() -> dict[str, type]:
         plan file for the answer's process. The student's notebook waits in ``resources`` for
         :class:`GradingRestore`."""
 
+        enabled = Bool(True).tag(config=True)  # nbconvert's preprocessors are off unless enabled
+
         def preprocess(self, nb: nbformat.NotebookNode, resources: dict) -> tuple[nbformat.NotebookNode, dict]:
             return grading_notebook(nb, resources, Path(self.config.CourseDirectory.root or "."))
 
     class GradingRestore(Preprocessor):
         """After ``Execute``: the student's notebook again, each cell with the outputs of its counterpart in the
         notebook that ran (check cells and answer cells by grade id, the teacher's cells by cell id)."""
+
+        enabled = Bool(True).tag(config=True)
 
         def preprocess(self, nb: nbformat.NotebookNode, resources: dict) -> tuple[nbformat.NotebookNode, dict]:
             return restored_notebook(nb, resources)
@@ -399,6 +409,7 @@ def __getattr__(name: str) -> Any:
 
 _STUDENT_KEY = "minillm_student_notebook"
 _PLAN_KEY = "minillm_grading_plan"
+_GRADED_KEY = "minillm_graded"   # set by restored_notebook: the check cells ran with the answers out of reach
 
 
 def _grade_id(cell: nbformat.NotebookNode) -> str | None:
@@ -470,6 +481,7 @@ def grading_notebook(student: nbformat.NotebookNode, resources: dict,
 def restored_notebook(graded: nbformat.NotebookNode, resources: dict) -> tuple[nbformat.NotebookNode, dict]:
     """The student's notebook with the outputs of the notebook that ran (see :class:`GradingRestore`)."""
     student = resources.pop(_STUDENT_KEY)
+    resources[_GRADED_KEY] = True
     folder = resources.pop(_PLAN_KEY, None)
     if folder:
         shutil.rmtree(folder, ignore_errors=True)

@@ -317,7 +317,8 @@ def test_every_cheat_scores_zero(graded):
 def test_autograde_gives_full_zero_and_the_exact_partial_score(course, graded):
     for stem in CHAPTERS:
         expected = _expected(stem)
-        scores = gradebook_scores(course, stem)
+        cheats = set(graded.get(stem, {})) - set(SAMPLE_STUDENTS) - {DELEGATING_STUDENT}  # test_every_cheat_...
+        scores = {s: v for s, v in gradebook_scores(course, stem).items() if s not in cheats}
         exercises = notebook_exercises(_read(ROOT / "solutions" / f"{stem}.ipynb"), stem)
         total = float(sum(e.points for e in exercises))  # the maximum: challenges add extra credit above it
         with_extra = sum(expected["sample_solved"].values())

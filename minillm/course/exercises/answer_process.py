@@ -189,7 +189,7 @@ class AnswerServer:
             def reducer_override(self, obj: Any) -> Any:
                 if isinstance(obj, torch.Tensor):
                     return remote.tensor_reduce(obj)
-                return NotImplemented
+                return remote.reduce_value(obj)
 
         buf = io.BytesIO()
         ReplyPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(message)

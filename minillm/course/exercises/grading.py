@@ -127,6 +127,14 @@ def _defined_names(source: str) -> list[str]:
     return names
 
 
+def _local_callable(obj: Any) -> bool:
+    """A function of the check that pickle cannot name (a closure, a lambda, a method bound to one): it goes as an
+    opaque placeholder, and comes back as itself."""
+    if isinstance(obj, types.MethodType):
+        return _local_callable(obj.__func__)
+    return isinstance(obj, types.FunctionType) and ("<locals>" in obj.__qualname__ or obj.__name__ == "<lambda>")
+
+
 class RefusedAnswer:
     """What a name of a refused answer holds: calling it, or handing it to a check, raises the lint's refusal."""
 
@@ -239,7 +247,7 @@ class AnswerClient:
                     return ("handle", obj._handle)
                 if isinstance(obj, type) and _stand_in_of(obj) is not None:
                     return ("class", client._class_ref(obj))
-                if isinstance(obj, remote._LOCK_TYPES):
+                if isinstance(obj, remote._LOCK_TYPES) or _local_callable(obj):
                     client._opaque[id(obj)] = obj
                     kind = {type(threading.Lock()): "lock", type(threading.RLock()): "rlock"}.get(type(obj), "opaque")
                     return ("opaque", id(obj), kind)
@@ -251,7 +259,7 @@ class AnswerClient:
                 if not isinstance(obj, type) and _stand_in_of(type(obj)) is not None:
                     state = dict(vars(obj)) if hasattr(obj, "__dict__") else None
                     return (object.__new__, (type(obj),), state)
-                return NotImplemented
+                return remote.reduce_value(obj)
 
         buf = io.BytesIO()
         pickler = RequestPickler(buf, protocol=pickle.HIGHEST_PROTOCOL)

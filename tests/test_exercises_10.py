@@ -813,9 +813,9 @@ def test_the_exercises_have_a_heading_a_two_step_hint_and_a_check():
                 "C10": "check_reorder_batch(reorder_batch_to_split_decodes_and_prefills, "
                 }[number] in cells[i + 1].source
         found.append((number, stars))
-    assert found == [("10.1", "★★"), ("10.2", "★★"), ("10.3", "★★"), ("C10", "★★★")]
+    assert found == [("10.1", "★★"), ("10.2", "★★"), ("10.3", "★"), ("C10", "★★★")]
     intro = cells[0].source
-    assert re.search(r"Run time: about [\d.]+ (s|min) on a 2-core CPU", intro) and "Points: 6 " in intro
+    assert re.search(r"Run time: about [\d.]+ (s|min) on a 2-core CPU", intro) and "Points: 5 " in intro
     for number, stars in found[:3]:
         assert f"**Exercise {number} {stars}**" in intro
     assert "**Challenge 10 ★★★** (extra credit)" in intro and "**挑战 10 ★★★**" in intro

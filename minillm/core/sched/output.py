@@ -54,9 +54,10 @@ class CachedRequestData:
 
     Attributes:
         req_ids: the request ids.
-        resumed_req_ids: the ids among ``req_ids`` that were preempted and come back: the runner dropped them,
-            so ``new_block_ids`` is their *whole* block list and ``all_token_ids`` their tokens (prompt + outputs so
-            far, all to be recomputed). For the others ``new_block_ids`` is appended to the blocks they hold.
+        resumed_req_ids: the ids among ``req_ids`` that were preempted and come back. The runner kept their state
+            but not their blocks (freed at preemption), so ``new_block_ids`` is their *whole* block list and
+            ``all_token_ids`` their tokens (prompt + outputs so far, all to be recomputed). For the others
+            ``new_block_ids`` is appended to the blocks they hold.
         new_block_ids: blocks to append (running) or the full block list (resumed); empty when none were needed.
         num_computed_tokens: each request's context length before this step (where its new tokens start).
         num_output_tokens: output tokens each request has so far.
@@ -87,7 +88,9 @@ class SchedulerOutput:
         total_num_scheduled_tokens: ``sum(num_scheduled_tokens.values())``, never above
             ``max_num_batched_tokens``. It counts the requests admitted from the waiting queue in this very step:
             they run in this step too.
-        preempted_req_ids: requests preempted (by recompute) in this step; the runner drops their state.
+        preempted_req_ids: requests preempted (by recompute) in this step. They are not scheduled, so the runner
+            takes them out of its persistent batch but keeps their state (tokens, seeded generator) for the resume,
+            which brings a new block list; the engine core counts them.
         finished_req_ids: requests that finished since the previous step; the runner drops their state.
         scheduled_spec_decode_tokens: request id -> the draft tokens it verifies this step (speculative decoding
             only). They are the last ``len(drafts)`` of its ``num_scheduled_tokens``.

@@ -212,3 +212,40 @@ def test_in_a_learners_kernel_the_answer_is_linted_as_grading_lints_it(monkeypat
     history += ["# Exercise 2.1: slots\ndef learner(x):\n    return x", "# Check Exercise 2.1\n..."]
     assert guard("2.1", learner)(3) == 3
     assert guard("2.2", learner)(4) == 4  # no 2.2 answer in the history: nothing to lint
+
+
+def test_arrays_generators_and_watched_calls_travel(answer):
+    """numpy arrays go there and their new values come back into the check's own array; a numpy scalar and a
+    torch generator come back by value; a check's closure goes as a placeholder and comes back as itself; the
+    calls a check watches (``grading.recording``) are recorded there and named by the check's own object."""
+    import numpy as np
+
+    from minillm.core.block_pool import BlockPool
+
+    ns = answer('''
+import numpy as np
+import torch
+
+def bump(a, hook):
+    a[1] += 5
+    return np.int64(7), torch.Generator().manual_seed(3), hook
+
+def free_two(pool, blocks):
+    pool.free_blocks(blocks[:1])
+    pool.free_blocks(blocks[1:])
+''')
+    a = np.arange(4, dtype=np.int32)
+    hook = (lambda: 1)
+    scalar, gen, back = ns["bump"](a, hook)
+    assert a.tolist() == [0, 6, 2, 3] and scalar == 7 and back is hook
+    assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=torch.Generator().manual_seed(3)))
+
+    pool, other = BlockPool(8, enable_caching=False), BlockPool(8, enable_caching=False)
+    blocks = pool.get_new_blocks(2)
+    with grading.recording(BlockPool, ["free_blocks"], only=pool) as calls:
+        ns["free_two"](pool, blocks)
+    assert [name for name, _ in calls] == ["free_blocks", "free_blocks"]
+    assert pool.get_num_free_blocks() == 8 - 1  # the null block is never free
+    with grading.recording(BlockPool, ["free_blocks"], only=other) as calls:
+        ns["free_two"](pool, pool.get_new_blocks(2))
+    assert calls == []  # calls on another object than the one watched

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import atexit
 import builtins
+import contextlib
 import importlib
 import io
 import json
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import threading
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,25 @@ def _local_callable(obj: Any) -> bool:
     if isinstance(obj, types.MethodType):
         return _local_callable(obj.__func__)
     return isinstance(obj, types.FunctionType) and ("<locals>" in obj.__qualname__ or obj.__name__ == "<lambda>")
+
+
+_RECORDERS: list[tuple[tuple[str, str, tuple[str, ...]], Any, list[tuple[str, tuple[Any, ...]]]]] = []
+
+
+@contextlib.contextmanager
+def recording(cls: type, names: Iterable[str], only: Any = None,
+              log: list[tuple[str, tuple[Any, ...]]] | None = None) -> Iterator[list[tuple[str, tuple[Any, ...]]]]:
+    """The calls of ``cls``'s methods ``names`` the answer makes while it runs in its process (on ``only``, if
+    given: the check's own object, as the answer's calls on its copy come back), as ``(name, args)``, in order
+    (appended to ``log`` if given). A check that wraps a package method to see how the answer used it does this
+    when grading."""
+    log = [] if log is None else log
+    entry = ((cls.__module__, cls.__qualname__, tuple(names)), only, log)
+    _RECORDERS.append(entry)
+    try:
+        yield log
+    finally:
+        _RECORDERS.remove(entry)
 
 
 class RefusedAnswer:
@@ -367,7 +387,22 @@ class AnswerClient:
     def call(self, target: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from minillm.course.exercises.tripwire import active_exercises
 
-        return self.request(("call", active_exercises(), target, tuple(args), dict(kwargs)))
+        watched = list(_RECORDERS)
+        if not watched:
+            return self.request(("call", active_exercises(), target, tuple(args), dict(kwargs)))
+        out = self.request(("call", active_exercises(), target, tuple(args), dict(kwargs),
+                            tuple(spec for spec, _, _ in watched)))
+        if not (isinstance(out, tuple) and len(out) == 3 and out[0] == "recorded" and isinstance(out[2], list)):
+            raise remote.WireError("the answer's process sent no record of the calls it was asked to watch")
+        for entry in out[2]:
+            if not (isinstance(entry, tuple) and len(entry) == 4 and isinstance(entry[0], int)
+                    and 0 <= entry[0] < len(watched) and isinstance(entry[3], tuple)):
+                raise remote.WireError("the answer's process sent a malformed record of a call")
+            k, obj, name, call_args = entry
+            _, only, log = watched[k]
+            if only is None or obj is only:
+                log.append((name, call_args))
+        return out[1]
 
     def catch_up(self, index: int) -> None:
         """Run in the answer's process the teacher's cells of the plan before ``index`` not run there yet."""

@@ -310,7 +310,10 @@ def apply_states(memo: dict[int, Any], states: Any, skip: set[int]) -> None:
                     d.clear()
                     d.update(attrs)
                 for name, value in slots.items():
-                    object.__setattr__(obj, name, value)
+                    try:
+                        object.__setattr__(obj, name, value)
+                    except TypeError:  # a msgspec struct: its own __setattr__
+                        setattr(obj, name, value)
             else:
                 raise WireError(f"a {kind} state for a {type(obj).__name__}")
         except WireError:

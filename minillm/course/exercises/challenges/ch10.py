@@ -37,6 +37,7 @@ same after a reorder. :func:`reorder_batch_to_split_decodes_and_prefills` is the
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 from collections.abc import Callable, Iterator
@@ -204,8 +205,13 @@ _REBUILDERS = ("add_request", "remove_request", "condense", "_move", "set_token_
 def _calls_on(batch: InputBatch) -> Iterator[list[tuple[str, tuple]]]:
     """Record the calls of ``InputBatch``'s slot-moving methods on ``batch`` (the class's methods are wrapped, so
     ``InputBatch.swap_states(batch, i, j)`` counts too); everything is put back on exit."""
+    from minillm.course.exercises import grading
+
     calls: list[tuple[str, tuple]] = []
     originals = {name: InputBatch.__dict__[name] for name in ("swap_states", *_REBUILDERS)}
+    # graded: the answer runs in a process of its own, where its calls are watched too
+    remote_calls = (grading.recording(InputBatch, originals, only=batch, log=calls) if grading.ACTIVE
+                    else contextlib.nullcontext())
 
     def wrap(name: str, fn: Callable) -> Callable:
         def recorded(self: InputBatch, *args: Any, **kwargs: Any) -> Any:
@@ -217,7 +223,8 @@ def _calls_on(batch: InputBatch) -> Iterator[list[tuple[str, tuple]]]:
     try:
         for name, fn in originals.items():
             setattr(InputBatch, name, wrap(name, fn))
-        yield calls
+        with remote_calls:
+            yield calls
     finally:
         for name, fn in originals.items():
             setattr(InputBatch, name, fn)

@@ -168,4 +168,4 @@ HINT_FORMAT = re.compile(r"^<details><summary>Hint 1: the idea</summary>\n" + _B
                          + r"\n\*\*提示 1：\*\* \S" + _BLOCK + r"\n</details>\n"
                          r"<details><summary>Hint 2: closer to the code</summary>\n" + _BLOCK + r"[A-Za-z]" + _BLOCK
                          + r"\n\*\*提示 2：\*\* \S" + _BLOCK + r"\n</details>$", re.S)
-CHALLENGE_HEADING = re.compile(r"^### Challenge (\d+) ★★★ \S.* \(optional, extra credit\)\n")
+CHALLENGE_HEADING = re.compile(r"^### Challenge (\d+) (★★★?) \S.* \(optional, extra credit\)\n")  # its stars: its credit

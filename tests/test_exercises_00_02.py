@@ -359,7 +359,7 @@ def test_every_exercise_has_a_difficulty_heading_and_a_hint(name):
         if challenge:
             number = challenge.group(1)
             m = CHALLENGE.match(heading.source) if heading.cell_type == "markdown" else None
-            assert m and m.group(1) == number and f"**挑战 {number} ★★★" in heading.source, (
+            assert m and m.group(1) == number and f"**挑战 {number} {m.group(2)}" in heading.source, (
                 f"{name}: challenge {number} must follow a '### Challenge {number} ★★★ title (optional, extra "
                 f"credit)' cell with its Chinese statement, got {heading.source[:60]!r}")
             assert "vllm/" in heading.source, f"{name}: challenge {number} must cite vLLM's file:function"

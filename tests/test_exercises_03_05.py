@@ -557,7 +557,7 @@ def test_every_exercise_has_a_star_heading_a_two_step_hint_and_a_check(solution)
             if m.group(3):
                 number = m.group(3)
                 h = _CHALLENGE.match(heading.source) if heading.cell_type == "markdown" else None
-                assert h and h.group(1) == number and f"**挑战 {number} ★★★" in heading.source, (
+                assert h and h.group(1) == number and f"**挑战 {number} {h.group(2)}" in heading.source, (
                     f"{folder}/{solution}: challenge {number} needs a '### Challenge {number} ★★★ title (optional, "
                     f"extra credit)' cell with its Chinese statement")
                 assert "vllm/" in heading.source, f"{solution}: challenge {number} must cite vLLM's file:function"

@@ -795,7 +795,7 @@ def test_the_exercises_have_a_heading_a_two_step_hint_and_a_check():
         heading, hint = cells[i - 2], cells[i - 1]
         if number.startswith("C"):
             h = CHALLENGE_HEADING.match(heading.source)
-            assert h and h.group(1) == number[1:] and f"**挑战 {number[1:]} ★★★ " in heading.source, (
+            assert h and h.group(1) == number[1:] and f"**挑战 {number[1:]} {h.group(2)} " in heading.source, (
                 f"challenge {number}: no '### Challenge {number[1:]} ★★★ title (optional, extra credit)' two "
                 f"cells above, with its Chinese statement")
             assert "vllm/v1/attention/backends/utils.py:reorder_batch_to_split_decodes_and_prefills" in heading.source

@@ -115,8 +115,10 @@ def test_a_challenge_is_extra_credit_worth_no_points():
         ("9.1", 2, 0, "ex-9-1-check"), ("C9", 0, 3, "challenge-9-check")]
     meta = source_notebook(nb, "toy.ipynb").cells[-1].metadata["nbgrader"]
     assert meta["grade_id"] == "challenge-9-check" and meta["points"] == 0 and meta["grade"] is True
-    with pytest.raises(ValueError, match=r"Challenge 9 is an open challenge: give it ★★★"):
-        notebook_exercises(_with_challenge(_toy("Points: 2 (★ = 1, ★★ = 2, ★★★ = 3)"), stars="★★"), "toy.ipynb")
+    with pytest.raises(ValueError, match=r"Challenge 9 is an open challenge: give it ★★ or ★★★"):
+        notebook_exercises(_with_challenge(_toy("Points: 2 (★ = 1, ★★ = 2, ★★★ = 3)"), stars="★"), "toy.ipynb")
+    two = notebook_exercises(_with_challenge(_toy("Points: 2 (★ = 1, ★★ = 2, ★★★ = 3)"), stars="★★"), "toy.ipynb")
+    assert [(e.number, e.points, e.extra_credit) for e in two] == [("9.1", 2, 0), ("C9", 0, 2)]  # its stars
 
 
 def test_source_notebook_marks_answer_and_check_cells_only():

@@ -18,7 +18,7 @@ The solution notebooks stay the single source; this module writes, for each of t
 
 A chapter's open challenge (``### Challenge N ★★★``, ``# Challenge N: ...``, ``# Check Challenge N``) becomes the
 same two cells (``challenge-N-answer``, ``challenge-N-check``); its check is worth 0 points and, when it passes,
-gives :data:`CHALLENGE_EXTRA_CREDIT` as nbgrader's extra credit (added to the score, not to the maximum).
+gives its stars (★★ or ★★★) as nbgrader's extra credit (added to the score, not to the maximum).
 
 Points come from the difficulty stars of each exercise's heading (``### Exercise N.M ★★ title``: ★ = 1 point,
 ★★ = 2, ★★★ = 3). Each solution notebook's first markdown cell states its total, ``Points: N (★ = 1, ★★ = 2, ★★★ =
@@ -55,9 +55,6 @@ POINTS_LINE = "Points: {total} (★ = 1, ★★ = 2, ★★★ = 3)"
 _POINTS = re.compile(r"^Points:\s*(\d+)\s*\(★ = 1, ★★ = 2, ★★★ = 3\)", re.M)
 _HEADING = re.compile(r"^###\s+(Exercise\s+\d+\.\d+|Challenge\s+\d+)\s+(★+)(?=\s|$)", re.M)
 _CHECK = re.compile(r"^#\s*Check\s+(Exercise\s+\d+\.\d+|Challenge\s+\d+)\b")
-# A chapter's open challenge (``### Challenge N ★★★``) is optional: its check is worth no points, and passing it
-# gives this much extra credit (nbgrader's ``Grade.extra_credit``, added to the score, not to the maximum).
-CHALLENGE_EXTRA_CREDIT = 3
 
 
 def _number(title: str) -> str:
@@ -106,7 +103,7 @@ class Exercise:
 
     @property
     def extra_credit(self) -> int:
-        return CHALLENGE_EXTRA_CREDIT if self.challenge else 0
+        return self.stars if self.challenge else 0
 
     @property
     def _id(self) -> str:
@@ -157,8 +154,8 @@ def notebook_exercises(nb: nbformat.NotebookNode, name: str) -> list[Exercise]:
                 what, number = " ".join(m.group(1).split()), _number(m.group(1))
                 if m.group(2) not in STAR_POINTS:
                     raise ValueError(f"{name}: {what} has {len(m.group(2))} stars; use 1 to 3")
-                if number.startswith("C") and m.group(2) != "★★★":
-                    raise ValueError(f"{name}: {what} is an open challenge: give it ★★★ (it is extra credit)")
+                if number.startswith("C") and m.group(2) == "★":
+                    raise ValueError(f"{name}: {what} is an open challenge: give it ★★ or ★★★ (its extra credit)")
                 stars[number] = STAR_POINTS[m.group(2)]
             continue
         if cell.cell_type != "code" or BEGIN not in cell.source:
@@ -361,8 +358,10 @@ def _nbgrader_classes() -> dict[str, type]:
                                self.notebook_id, cell.metadata["nbgrader"]["grade_id"])
             failed = not ran or any(out.output_type == "error" for out in cell.outputs)
             grade.auto_score = 0.0 if failed else float(cell.metadata["nbgrader"]["points"])
-            if cell.metadata["nbgrader"]["grade_id"].startswith("challenge-"):  # an open challenge: extra credit
-                grade.extra_credit = 0.0 if failed else float(CHALLENGE_EXTRA_CREDIT)
+            grade_id = cell.metadata["nbgrader"]["grade_id"]
+            if grade_id.startswith("challenge-"):  # an open challenge: its stars as extra credit
+                credit = resources.get(_CREDIT_KEY, {}).get(grade_id, 0)
+                grade.extra_credit = 0.0 if failed else float(credit)
             grade.needs_manual_grade = grade.manual_score is not None  # a grader's own score stands out for review
             self.gradebook.db.commit()
 
@@ -409,6 +408,7 @@ def __getattr__(name: str) -> Any:
 
 _STUDENT_KEY = "minillm_student_notebook"
 _PLAN_KEY = "minillm_grading_plan"
+_CREDIT_KEY = "minillm_extra_credit"  # challenge check's grade id -> its extra credit (its stars), from source/
 _GRADED_KEY = "minillm_graded"   # set by restored_notebook: the check cells ran with the answers out of reach
 
 
@@ -475,6 +475,7 @@ def grading_notebook(student: nbformat.NotebookNode, resources: dict,
     graded.cells.insert(0, start)
     resources[_STUDENT_KEY] = student
     resources[_PLAN_KEY] = str(folder)
+    resources[_CREDIT_KEY] = {ex.check_id: ex.extra_credit for ex in exercises if ex.challenge}
     return graded, resources
 
 

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import io
 import itertools
+import linecache
 import pickle
 import socket
 import sys
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from minillm.course.exercises import remote
+from minillm.course.exercises import answer_kernels, remote
 from minillm.course.exercises.tripwire import DelegationError, building, tripped
 
 _SKIP_MEMBERS = {"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__new__", "__init_subclass__",
@@ -104,11 +105,12 @@ class AnswerServer:
     def _class_here(self, ref: Any) -> type:
         if ref[0] == "answer":
             return self.classes[ref[1]]
-        if ref[0] == "compose":  # ("compose", grading-side id, name, (base refs...))
-            _, kid, name, bases = ref
+        if ref[0] == "compose":  # ("compose", grading-side id, name, (base refs...), plain class attributes)
+            _, kid, name, bases, attrs, own = ref
             if kid not in self.composed:
                 here = tuple(self._class_here(b) if isinstance(b, tuple) else b for b in bases)
-                cls = type(name, here, {"__module__": "__main__"})
+                cls = type(name, here, {"__module__": "__main__", **attrs,
+                                        **{m: _grading_side_method(name, m) for m in own}})
                 self.composed[kid], self.composed_back[id(cls)] = cls, kid
             return self.composed[kid]
         raise remote.WireError(f"unknown class reference {ref!r}")
@@ -182,8 +184,12 @@ class AnswerServer:
                 if isinstance(obj, (types.MethodType, functools.partial)) or (
                         isinstance(obj, types.FunctionType) and getattr(obj, "__module__", None) == "__main__"):
                     return ("handle", server._handle(obj), getattr(obj, "__name__", "function"))
-                if type(obj).__name__ == "JITFunction" and getattr(obj, "__module__", None) == "__main__":
-                    return ("handle", server._handle(obj), getattr(obj, "__name__", "kernel"))
+                if answer_kernels.is_kernel(obj):  # a Triton kernel: its source, rebuilt there (answer_kernels)
+                    module = getattr(obj.fn, "__module__", None)
+                    if module == "__main__":
+                        source, names = answer_kernels.kernel_spec(obj)
+                        return ("kernel", server._handle(obj), obj.fn.__name__, source, names)
+                    return ("kernelref", module, obj.fn.__qualname__)
                 return None
 
             def reducer_override(self, obj: Any) -> Any:
@@ -198,6 +204,8 @@ class AnswerServer:
     # --- the operations ----------------------------------------------------------------------------------------------
 
     def _run(self, label: str, source: str) -> Any:
+        # its lines where inspect finds them: Triton reads a kernel's source, and so does answer_kernels
+        linecache.cache[label] = (len(source), None, source.splitlines(keepends=True), label)
         code = compile(source, label, "exec")
         exec(code, self.ns)  # noqa: S102 - the notebook's cells and the answer: this process exists to run them
         return None
@@ -211,6 +219,8 @@ class AnswerServer:
                 continue
             if isinstance(value, type):
                 names[name] = ("class", value)
+            elif answer_kernels.is_kernel(value):
+                names[name] = ("value", value)  # a Triton kernel goes as its source (see _reply)
             elif callable(value) and not isinstance(value, types.ModuleType):
                 # every callable travels as a handle (an alias of the package's function too: calling it there
                 # meets the tripwire)
@@ -224,7 +234,7 @@ class AnswerServer:
     def _call(self, numbers: list[str], target: tuple[Any, ...], args: tuple[Any, ...],
               kwargs: dict[str, Any], record: tuple[Any, ...] = ()) -> Any:
         if record:  # the check watches calls of package methods (grading.recording): watch them here
-            with _recording(record) as log:
+            with _recording(record, self.ns) as log:
                 result = self._call(numbers, target, args, kwargs)
             return ("recorded", result, log)
         kind = target[0]
@@ -300,14 +310,26 @@ class AnswerServer:
             remote.send(self.sock, data)
 
 
+def _grading_side_method(cls_name: str, name: str) -> Any:
+    """A method of a check's subclass: it runs in the grading process only, never here. (A check whose answer
+    calls such a method puts it in a mixin class of a module instead: minillm.course.exercises.ch09.)"""
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{cls_name}.{name} is the check's own method: it runs in the grading process, not "
+                           f"where the answer runs (the check must give it to the answer as a mixin of a module)")
+    method.__name__ = name
+    return method
+
+
 @contextlib.contextmanager
-def _recording(specs: tuple[Any, ...]) -> Any:
-    """While the answer runs, record each call of the methods ``specs`` names (``(module, class qualname, method
-    names)``, package classes only) as ``(spec index, self, name, args)``; the methods are put back afterwards."""
+def _recording(specs: tuple[Any, ...], ns: dict[str, Any]) -> Any:
+    """While the answer runs, record each call of what ``specs`` name as ``(spec index, self, name, args)``:
+    ``("methods", module, class qualname, method names)`` (package classes only), or ``("forward", shared key)``
+    (a module of the notebook's model: its forward's positional inputs). Everything is put back afterwards."""
     import importlib
 
     log: list[tuple[int, Any, str, tuple[Any, ...]]] = []
     originals: list[tuple[type, str, Any]] = []
+    hooks: list[Any] = []
 
     def wrap(k: int, name: str, fn: Any) -> Any:
         @functools.wraps(fn)
@@ -317,7 +339,13 @@ def _recording(specs: tuple[Any, ...]) -> Any:
         return recorded
 
     try:
-        for k, (module, qualname, names) in enumerate(specs):
+        for k, spec in enumerate(specs):
+            if spec[0] == "forward":
+                target = remote.resolve_shared(ns, spec[1])
+                hooks.append(target.register_forward_hook(
+                    lambda m, args, out, k=k: log.append((k, None, "forward", tuple(args)))))
+                continue
+            _, module, qualname, names = spec
             if not str(module).startswith(("minillm.", "kernels.")) or str(module).startswith("minillm.course"):
                 raise remote.WireError(f"only the package's classes are watched, not {module}")
             cls: Any = importlib.import_module(module)
@@ -330,6 +358,8 @@ def _recording(specs: tuple[Any, ...]) -> Any:
     finally:
         for cls, name, fn in reversed(originals):
             setattr(cls, name, fn)
+        for h in hooks:
+            h.remove()
 
 
 def _die_with_parent() -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from minillm.course.exercises import remote
+from minillm.course.exercises import answer_kernels, remote
 
 ACTIVE = False  # grading mode is on in this process (set by start())
 CALL_TIMEOUT_S = float(os.environ.get("MINILLM_ANSWER_TIMEOUT_S", "600"))
@@ -136,7 +136,21 @@ def _local_callable(obj: Any) -> bool:
     return isinstance(obj, types.FunctionType) and ("<locals>" in obj.__qualname__ or obj.__name__ == "<lambda>")
 
 
-_RECORDERS: list[tuple[tuple[str, str, tuple[str, ...]], Any, list[tuple[str, tuple[Any, ...]]]]] = []
+# What the checks watch in the answer's process: (spec, only, sink). A spec is ("methods", module, class qualname,
+# names) or ("forward", shared key of an nn.Module); each recorded call ends in sink(name, args) here.
+_RECORDERS: list[tuple[tuple[Any, ...], Any, Any]] = []
+
+
+class Watch:
+    """A watch of the answer's calls (:func:`recording`, :func:`watch_forward`); ``remove()`` ends it."""
+
+    def __init__(self, spec: tuple[Any, ...], only: Any, sink: Any) -> None:
+        self.entry = (spec, only, sink)
+        _RECORDERS.append(self.entry)
+
+    def remove(self) -> None:
+        if self.entry in _RECORDERS:
+            _RECORDERS.remove(self.entry)
 
 
 @contextlib.contextmanager
@@ -147,12 +161,22 @@ def recording(cls: type, names: Iterable[str], only: Any = None,
     (appended to ``log`` if given). A check that wraps a package method to see how the answer used it does this
     when grading."""
     log = [] if log is None else log
-    entry = ((cls.__module__, cls.__qualname__, tuple(names)), only, log)
-    _RECORDERS.append(entry)
+    w = Watch(("methods", cls.__module__, cls.__qualname__, tuple(names)), only,
+              lambda name, args: log.append((name, args)))
     try:
         yield log
     finally:
-        _RECORDERS.remove(entry)
+        w.remove()
+
+
+def watch_forward(module: torch.nn.Module, fn: Any) -> Watch:
+    """``fn(args)`` with the positional inputs of each forward call of ``module`` the answer makes in its process
+    (``module``: a submodule of the notebook's model, which both processes hold); what a check does with
+    ``register_forward_hook`` in a learner's kernel."""
+    entry = remote.shared_objects(_NAMESPACE).get(id(module))
+    if entry is None or entry[0] is not module:
+        raise ValueError(f"{type(module).__name__} is not a module of the notebook's model: it cannot be watched")
+    return Watch(("forward", entry[1]), None, lambda name, args: fn(args))
 
 
 class RefusedAnswer:
@@ -215,6 +239,8 @@ class AnswerClient:
         self.functions: dict[int, RemoteFunction] = {}
         self.local_classes: dict[int, type] = {}  # id -> a class of this side sent as ("compose", ...)
         self._opaque: dict[int, Any] = {}
+        self.kernels: dict[int, Any] = {}  # handle -> the answer's kernel, rebuilt here
+        self.kernel_handles: dict[int, int] = {}
         mine, theirs = socket.socketpair()
         env = dict(os.environ, MPLBACKEND="Agg")
         env.pop("MINILLM_GRADING_PLAN", None)
@@ -249,9 +275,15 @@ class AnswerClient:
         guard, the capstone's composed scheduler) as a composition of its bases there."""
         if "_minillm_answer_class" in vars(cls):
             return ("answer", vars(cls)["_minillm_answer_class"])
+        own = [k for k, v in vars(cls).items() if isinstance(v, (types.FunctionType, staticmethod, classmethod,
+                                                                  property))]
         self.local_classes[id(cls)] = cls
+        # its own plain class attributes go too (a check's subclass that sets a parameter: C4's watermark)
+        attrs = {k: v for k, v in vars(cls).items()
+                 if not k.startswith("__") and isinstance(v, (bool, int, float, str, type(None)))}
         return ("compose", id(cls), cls.__name__,
-                tuple(self._class_ref(b) if _stand_in_of(b) is not None else b for b in cls.__bases__))
+                tuple(self._class_ref(b) if _stand_in_of(b) is not None else b for b in cls.__bases__), attrs,
+                tuple(own))
 
     def _dumps(self, message: Any) -> tuple[bytes, dict[int, Any]]:
         shared = remote.shared_objects(self.namespace)
@@ -265,6 +297,8 @@ class AnswerClient:
                     return ("shared", entry[1])
                 if isinstance(obj, RemoteFunction):
                     return ("handle", obj._handle)
+                if id(obj) in client.kernel_handles:  # a rebuilt kernel: the answer's own there
+                    return ("handle", client.kernel_handles[id(obj)])
                 if isinstance(obj, type) and _stand_in_of(obj) is not None:
                     return ("class", client._class_ref(obj))
                 if isinstance(obj, remote._LOCK_TYPES) or _local_callable(obj):
@@ -311,6 +345,26 @@ class AnswerClient:
                 return self.functions[h]
             if kind == "class":
                 return self._class_from(pid[1])
+            if kind == "kernel":  # a Triton kernel of the answer: rebuilt here from its source (answer_kernels)
+                _, h, name, source, names = pid
+                if h not in self.kernels:
+                    if not (isinstance(name, str) and isinstance(source, str) and isinstance(names, dict)):
+                        raise remote.WireError("a malformed kernel")
+                    try:
+                        self.kernels[h] = answer_kernels.rebuild_kernel(name, source, names)
+                    except answer_kernels.KernelRefused as e:
+                        return RefusedAnswer(e)  # the check that uses it says why
+                    self.kernel_handles[id(self.kernels[h])] = h
+                return self.kernels[h]
+            if kind == "kernelref":  # a kernel of the package, by name
+                module, qualname = pid[1], pid[2]
+                if not (isinstance(module, str) and remote._package_class(module) and isinstance(qualname, str)
+                        and "." not in qualname):
+                    raise remote.WireError(f"the answer's process named a kernel {module}.{qualname}")
+                kernel = getattr(importlib.import_module(module), qualname, None)
+                if not answer_kernels.is_kernel(kernel):
+                    raise remote.WireError(f"{module}.{qualname} is not a kernel")
+                return kernel
             raise remote.WireError(f"unknown reference {pid!r}")
         return load
 
@@ -370,7 +424,7 @@ class AnswerClient:
             try:
                 reply = remote.SafeUnpickler(reply_bytes, self._persistent_load(memo),
                                              set(self.stand_ins.values())).load()
-            except remote.WireError:
+            except (remote.WireError, answer_kernels.KernelRefused):
                 raise
             except Exception as e:  # noqa: BLE001
                 raise remote.WireError(f"the answer's reply could not be read: {type(e).__name__}: {e}") from None
@@ -391,7 +445,7 @@ class AnswerClient:
         if not watched:
             return self.request(("call", active_exercises(), target, tuple(args), dict(kwargs)))
         out = self.request(("call", active_exercises(), target, tuple(args), dict(kwargs),
-                            tuple(spec for spec, _, _ in watched)))
+                            tuple(spec for spec, _, _ in watched)))  # what the checks watch, watched there
         if not (isinstance(out, tuple) and len(out) == 3 and out[0] == "recorded" and isinstance(out[2], list)):
             raise remote.WireError("the answer's process sent no record of the calls it was asked to watch")
         for entry in out[2]:
@@ -399,9 +453,9 @@ class AnswerClient:
                     and 0 <= entry[0] < len(watched) and isinstance(entry[3], tuple)):
                 raise remote.WireError("the answer's process sent a malformed record of a call")
             k, obj, name, call_args = entry
-            _, only, log = watched[k]
+            _, only, sink = watched[k]
             if only is None or obj is only:
-                log.append((name, call_args))
+                sink(name, call_args)
         return out[1]
 
     def catch_up(self, index: int) -> None:
@@ -469,21 +523,21 @@ def _rebuild_error(info: Any) -> BaseException:
 
 # --- the capstone: a notebook's answers loaded in a process of their own ---------------------------------------------
 
-def _refused_imports(imports: str) -> str | None:
-    """Why a notebook's import lines may not run, or ``None``: they may not import the course's checks
-    (``minillm.course``). What each answer then does with the names is linted with the answer."""
+def _answer_imports(imports: str) -> str:
+    """A notebook's import lines without those of the course's checks (``minillm.course``: its check cells import
+    them; an answer may not, and the lint refuses them in an answer's own cells)."""
     try:
         tree = ast.parse(imports)
     except SyntaxError:
-        return None  # the learner's own error: it shows when the lines run
-    for node in ast.walk(tree):
+        return imports  # the learner's own error: it shows when the lines run
+    keep = []
+    for node in tree.body:
         modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
                    else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
                    if isinstance(node, ast.ImportFrom) else [])
-        for module in modules:
-            if module == "minillm.course" or module.startswith("minillm.course."):
-                return f"line {node.lineno} imports {module}, the course's checks; an answer may not import them"
-    return None
+        if not any(m == "minillm.course" or m.startswith("minillm.course.") for m in modules):
+            keep.append(ast.get_source_segment(imports, node) or "")
+    return "\n".join(keep)
 
 
 def load_answers(label: str, imports: str, answers: dict[str, str]) -> tuple[dict[str, Any], str | None]:
@@ -494,9 +548,7 @@ def load_answers(label: str, imports: str, answers: dict[str, str]) -> tuple[dic
 
     namespace: dict[str, Any] = {"__name__": f"learner_{label}"}
     client = AnswerClient(namespace)
-    refused = _refused_imports(imports)
-    if refused:
-        return namespace, f"its import lines were refused: {refused}"
+    imports = _answer_imports(imports)
     try:
         client.request(("run", f"{label}:imports", imports))
     except Exception as e:  # noqa: BLE001

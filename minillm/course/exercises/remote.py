@@ -25,6 +25,7 @@ import collections
 import copyreg
 import enum
 import io
+import pathlib
 import pickle
 import socket
 import struct
@@ -335,10 +336,11 @@ def vehicle_numbers(memo: dict[int, Any]) -> set[int]:
 
 _SAFE_BUILTINS = {"set", "frozenset", "list", "dict", "tuple", "complex", "slice", "range", "bytearray", "int",
                   "float", "str", "bytes", "bool", "object", "NotImplemented", "Ellipsis"}
+_PATH_CLASSES = ("Path", "PosixPath", "PurePath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
 _SAFE_CALLS: set[Any] = {set, frozenset, list, dict, tuple, complex, slice, range, bytearray, int, float, str, bytes,
                          bool, collections.OrderedDict, collections.deque, collections.Counter, copyreg._reconstructor,
                          torch.device, torch.Size, rebuild_tensor, rebuild_ndarray, rebuild_numpy_scalar,
-                         rebuild_generator}
+                         rebuild_generator, *(getattr(pathlib, n) for n in _PATH_CLASSES)}
 
 
 def _package_class(module: str) -> bool:
@@ -366,6 +368,8 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if module == "copyreg" and name in ("_reconstructor", "__newobj__", "__newobj_ex__"):
             return super().find_class(module, name)
         if module == "collections" and name in ("OrderedDict", "deque", "Counter", "defaultdict"):
+            return super().find_class(module, name)
+        if module == "pathlib" and name in _PATH_CLASSES:  # a path is a value: making one touches no file
             return super().find_class(module, name)
         if module == "torch" and (name in ("device", "Size") or isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)

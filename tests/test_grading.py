@@ -249,3 +249,56 @@ def free_two(pool, blocks):
     with grading.recording(BlockPool, ["free_blocks"], only=other) as calls:
         ns["free_two"](pool, pool.get_new_blocks(2))
     assert calls == []  # calls on another object than the one watched
+
+
+def test_the_answers_kernels_are_rebuilt_here_only_if_they_are_triton(monkeypatch):
+    """A ``@triton.jit`` kernel of the answer comes back as its source and is rebuilt in the grading process (a
+    check traces and launches it there), with the kernels and constants it uses; a kernel that reaches for more than
+    Triton (a tensor's handle, its numpy data, ctypes) is not rebuilt, and using it says why."""
+    from minillm.course.exercises.answer_kernels import KernelRefused, kernel_problems
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    setup = ("import os\nos.environ['TRITON_INTERPRET'] = '1'\nimport math\nimport torch\nimport triton\n"
+             "import triton.language as tl\n")
+    ns: dict = {"__name__": "__main__"}
+    exec(setup, ns)  # noqa: S102
+    client = grading.AnswerClient(ns, timeout_s=120.0)
+    try:
+        client.request(("run", "<setup>", setup))
+        source = '''# Exercise 3.3: double
+SCALE = tl.constexpr(2)
+
+@triton.jit
+def helper(x):
+    return x * SCALE
+
+@triton.jit
+def double_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    tl.store(out_ptr + i, helper(tl.load(x_ptr + i, mask=ok, other=0.0)).to(out_ptr.dtype.element_ty), mask=ok)
+
+def launch(x):
+    out = torch.empty_like(x)
+    double_kernel[(triton.cdiv(x.numel(), 8),)](x, out, x.numel(), BLOCK=8)
+    return out
+
+@triton.jit
+def escape(x_ptr):
+    y = x_ptr.handle.data.ctypes
+'''
+        client.bind(client.request(("answer", "<Exercise 3.3>", source)), ns)
+        assert type(ns["double_kernel"]).__name__ == "InterpretedFunction"   # rebuilt here
+        assert isinstance(ns["launch"], grading.RemoteFunction)               # a launcher runs there
+        x, out = torch.arange(10.0), torch.empty(10)
+        ns["double_kernel"][(2,)](x, out, 10, BLOCK=8)
+        assert torch.equal(out, 2 * x) and torch.equal(ns["launch"](x), 2 * x)
+        with pytest.raises(KernelRefused, match=r"escape .*`\.handle` is not a method of a Triton tensor"):
+            ns["escape"][(1,)](x)
+    finally:
+        client.close()
+    assert kernel_problems("def k(p):\n    import os\n", {})
+    assert kernel_problems("def k(p):\n    return getattr(p, 'x')\n", {})     # a builtin a kernel has no use for
+    assert kernel_problems("def k(p):\n    return triton.runtime\n", {})     # triton: cdiv, next_power_of_2 only
+    assert kernel_problems("def k(p):\n    return p.__class__\n", {})
+    assert not kernel_problems("def k(p, N: tl.constexpr):\n    return tl.sum(tl.load(p + tl.arange(0, N)), 0)\n", {})

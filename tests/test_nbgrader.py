@@ -6,6 +6,10 @@
 - Three sample students (solved, unsolved, half-solved) are autograded: full marks, zero, and exactly the points of
   the exercises the half-solved one answered, read from nbgrader's gradebook; the feedback names the first exercise
   the half-solved student left unsolved.
+- Cheating students (tests/delegating_answers.py ``CHEATS``: an input transformer that rewrites the check cells, a
+  patched checker and tripwire, the check's own result read from a global, the package's function captured before
+  the check) are autograded on chapters 06 and 10 and score 0 in every cell: the answers run in a process of their
+  own, linted first, and the checks in the grading kernel (minillm/course/exercises/grading.py).
 - A check cell scores pass or fail, whatever it displays; the capstone's hooks put the student's chapter notebooks
   beside it while it is graded; the classroom extra is pinned with everything it pulls in.
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from minillm.course.exercises.tripwire import targets_of
 
@@ -144,8 +144,20 @@ class Finding:
     message: str
 
 
+# The pseudo-exercise of a notebook's import lines, linted on their own by the capstone's loader in grading mode
+# (:func:`minillm.course.exercises.grading.load_answers`): no part to build, the same rules otherwise.
+IMPORTS = "imports"
+
+
 def _what(exercise: str) -> str:
+    if exercise == IMPORTS:
+        return "The import lines"
     return f"Challenge {exercise[1:]}" if exercise.startswith("C") else f"Exercise {exercise}"
+
+
+def _targets(exercise: str) -> list[str]:
+    """The tripwire's targets of ``exercise`` ("module:qualname"); none for :data:`IMPORTS`."""
+    return [] if exercise == IMPORTS else targets_of(exercise)
 
 
 class AnswerRefused(AssertionError):
@@ -164,24 +176,37 @@ class AnswerRefused(AssertionError):
 
 def _function_targets(exercise: str) -> dict[str, str]:
     """Name -> "module.name" of the exercise's targets that are functions or kernels (not methods)."""
-    return {q: f"{m}.{q}" for m, q in (t.split(":") for t in targets_of(exercise)) if "." not in q}
+    return {q: f"{m}.{q}" for m, q in (t.split(":") for t in _targets(exercise)) if "." not in q}
 
 
 def _method_targets(exercise: str) -> dict[tuple[str, str], str]:
     """(class, method) -> "module.Class.method" of the exercise's targets that are methods."""
-    return {tuple(q.split(".", 1)): f"{m}.{q}" for m, q in (t.split(":") for t in targets_of(exercise)) if "." in q}
+    return {tuple(q.split(".", 1)): f"{m}.{q}" for m, q in (t.split(":") for t in _targets(exercise)) if "." in q}
 
 
-def allowed_imports_text(exercise: str) -> str:
-    """One sentence on what an answer to ``exercise`` may import, for a notebook's opening or a refusal."""
-    stdlib = ", ".join(sorted(m for m in ALLOWED_MODULES if m not in _WITH_SUBMODULES))
-    extra = "".join(f"; for this challenge also {m}" + (f" ({', '.join(sorted(names))})" if names else "")
-                    for m, names in EXTRA.get(exercise, {}).items())
-    targets = ", ".join(t.replace(":", ".") for t in targets_of(exercise))
-    return (f"An answer may import: {stdlib}; torch, numpy and triton (not their private modules, "
-            f"{', '.join(m for m in _REFUSED_SUBMODULES if not m.startswith('minillm'))}); the names it needs from "
-            f"minillm and kernels modules (from minillm.core import BlockPool){extra}; not: minillm.course, and the "
-            f"part the exercise asks you to build (for {exercise}: {targets}).")
+def allowed_imports_text(exercise: str | Iterable[str], *, markdown: bool = False) -> str:
+    """One sentence on what an answer to ``exercise`` may import, for a refusal; given several exercises (a
+    chapter's), the sentence of an exercise notebook's opening, naming each exercise's part. With ``markdown``,
+    module and code names are in backticks."""
+    numbers = [exercise] if isinstance(exercise, str) else list(exercise)
+
+    def c(text: str) -> str:
+        return f"`{text}`" if markdown else text
+
+    stdlib = ", ".join(c(m) for m in sorted(m for m in ALLOWED_MODULES if m not in _WITH_SUBMODULES))
+    extra = "".join(
+        f"; for {'this challenge' if len(numbers) == 1 else 'challenge ' + n[1:]} also "
+        + ", ".join(c(m) + (f" ({', '.join(map(c, sorted(names)))})" if names else "") for m, names in EXTRA[n].items())
+        for n in numbers if EXTRA.get(n))
+    parts = "; ".join(f"{n if not n.startswith('C') else 'challenge ' + n[1:]}: "
+                      + ", ".join(c(t.replace(":", ".")) for t in _targets(n)) for n in numbers if _targets(n))
+    what = (f"the part the exercise asks you to build (for {parts})" if len(numbers) == 1
+            else f"the part each exercise asks you to build ({parts})")
+    refused = ", ".join(c(m) for m in _REFUSED_SUBMODULES if not m.startswith("minillm"))
+    return (f"An answer may import: {stdlib}; {c('torch')}, {c('numpy')} and {c('triton')} (not their private "
+            f"modules, {refused}); the names it needs from {c('minillm')} and {c('kernels')} modules "
+            f"({c('from minillm.core import BlockPool')}){extra}; not: {c('minillm.course')}"
+            + (f", and {what}." if parts else "."))
 
 
 def top_level_names(source: str) -> set[str]:

@@ -12,7 +12,11 @@ interpreter's internals (rule: no reflection). An answer may import: ...") at th
 - ``magic``: a line that is an IPython magic or a shell command (``%load_ext``, ``!pip``, ``x = !ls``);
 - ``import``: an import outside :data:`ALLOWED_MODULES` (``sys``, ``inspect``, ``minillm.course``, ``import minillm``);
 - ``target``: any use of what the exercise asks you to build (for 2.1: ``compute_slot_mapping``), by name, import or
-  attribute, and ``Scheduler._schedule_waiting(self, ...)`` for a method one (``super()`` calls are the tripwire's);
+  attribute; for a method (4.2: ``Scheduler._schedule_waiting``), the method read off its class under any name
+  (``MR = ModelRunner``, ``from ... import ModelRunner as MR``, ``model_runner.ModelRunner``) or off any object but
+  ``self`` (``engine.step()`` for 6.2), ``self.m`` in a subclass that inherits it, and ``super().m`` in a class
+  deriving from its class or from a package class that inherits it (found by reading the package's source:
+  ``SharedStorageConnector`` for 9.2); for a constructor (9.1), the class's name;
 - ``builtin``: ``exec``, ``eval``, ``compile``, ``open``, ``getattr``, ``globals``, ``get_ipython`` and their kin, and
   ``type(name, bases, namespace)``;
 - ``reflection``: a dunder (``__globals__``, ``__builtins__``, ``"{0.__class__}"``, ``case object(__class__=c)``), a
@@ -29,11 +33,13 @@ interpreter's internals (rule: no reflection). An answer may import: ...") at th
 A ``SyntaxError`` is not a refusal: it is the learner's own error, raised as it is.
 
 What a static reading cannot stop (a determined student's remaining routes, for the teacher who reads answers):
-aliasing a module or a package object under a new name and changing it through that name (``t = torch;
-t.allclose = f``), methods that change shared objects (``model.register_forward_hook``, in-place tensor ops on a
-setup cell's tensors), calling the package at the answer's top level (outside the guard) through a name the lint cannot
-tie to the target (a method, an alias a lesson cell made), writing files where a challenge may (:data:`EXTRA`), and
-whatever a module on the allow-list exposes that this list does not know about. The lint is a first line; the
+aliasing a module or a package object in a way the lint does not follow (a default argument, a loop variable, a
+tuple: ``for t in [torch]: t.allclose = f``; ``t = torch; t.allclose = f`` is refused), methods that change shared
+objects (``model.register_forward_hook``, in-place tensor ops on a setup cell's tensors), reaching the part through
+package code that calls it (1.4: a model layer runs ``ContiguousKVCache.forward``) or through a name the lint cannot
+tie to it (an alias a lesson cell made), reading a value the check computed (a name of the notebook's namespace),
+writing files where a challenge may (:data:`EXTRA`), and whatever a module on the allow-list exposes that this list
+does not know about. The lint is a first line; the
 tripwire and the check's own probes are the others.
 
 vLLM has nothing like this: it is a course's device, like the tripwire.

@@ -128,12 +128,14 @@ def test_a_challenge_is_extra_credit_worth_no_points():
 def test_source_notebook_marks_answer_and_check_cells_only():
     nb = source_notebook(_toy("Points: 2 (★ = 1, ★★ = 2, ★★★ = 3)"), "toy.ipynb")
     metas = [c.metadata.get("nbgrader") for c in nb.cells]
-    assert metas[:2] == [None, None] and metas[4] is None
-    assert metas[2] == {"grade": False, "grade_id": "ex-9-1-answer", "locked": False, "schema_version": 3,
+    # cell 1: the exercise notebooks' cell on what an answer may import (minillm/course/exercises/build.py)
+    assert nb.cells[1].id == "allowed-imports" and "An answer may import:" in nb.cells[1].source
+    assert metas[:3] == [None, None, None] and metas[5] is None
+    assert metas[3] == {"grade": False, "grade_id": "ex-9-1-answer", "locked": False, "schema_version": 3,
                         "solution": True, "task": False}
-    assert metas[3] == {"grade": True, "grade_id": "ex-9-1-check", "locked": True, "points": 2,
+    assert metas[4] == {"grade": True, "grade_id": "ex-9-1-check", "locked": True, "points": 2,
                         "schema_version": 3, "solution": False, "task": False}
-    assert "### BEGIN SOLUTION" in nb.cells[2].source  # the source keeps the solution
+    assert "### BEGIN SOLUTION" in nb.cells[3].source  # the source keeps the solution
 
 
 def test_course_directory_is_the_same_on_every_rebuild(tmp_path):

@@ -12,7 +12,11 @@ interpreter's internals (rule: no reflection). An answer may import: ...") at th
 - ``magic``: a line that is an IPython magic or a shell command (``%load_ext``, ``!pip``, ``x = !ls``);
 - ``import``: an import outside :data:`ALLOWED_MODULES` (``sys``, ``inspect``, ``minillm.course``, ``import minillm``);
 - ``target``: any use of what the exercise asks you to build (for 2.1: ``compute_slot_mapping``), by name, import or
-  attribute, and ``Scheduler._schedule_waiting(self, ...)`` for a method one (``super()`` calls are the tripwire's);
+  attribute; for a method (4.2: ``Scheduler._schedule_waiting``), the method read off its class under any name
+  (``MR = ModelRunner``, ``from ... import ModelRunner as MR``, ``model_runner.ModelRunner``) or off any object but
+  ``self`` (``engine.step()`` for 6.2), ``self.m`` in a subclass that inherits it, and ``super().m`` in a class
+  deriving from its class or from a package class that inherits it (found by reading the package's source:
+  ``SharedStorageConnector`` for 9.2); for a constructor (9.1), the class's name;
 - ``builtin``: ``exec``, ``eval``, ``compile``, ``open``, ``getattr``, ``globals``, ``get_ipython`` and their kin, and
   ``type(name, bases, namespace)``;
 - ``reflection``: a dunder (``__globals__``, ``__builtins__``, ``"{0.__class__}"``, ``case object(__class__=c)``), a
@@ -29,11 +33,13 @@ interpreter's internals (rule: no reflection). An answer may import: ...") at th
 A ``SyntaxError`` is not a refusal: it is the learner's own error, raised as it is.
 
 What a static reading cannot stop (a determined student's remaining routes, for the teacher who reads answers):
-aliasing a module or a package object under a new name and changing it through that name (``t = torch;
-t.allclose = f``), methods that change shared objects (``model.register_forward_hook``, in-place tensor ops on a
-setup cell's tensors), calling the package at the answer's top level (outside the guard) through a name the lint cannot
-tie to the target (a method, an alias a lesson cell made), writing files where a challenge may (:data:`EXTRA`), and
-whatever a module on the allow-list exposes that this list does not know about. The lint is a first line; the
+aliasing a module or a package object in a way the lint does not follow (a default argument, a loop variable, a
+tuple: ``for t in [torch]: t.allclose = f``; ``t = torch; t.allclose = f`` is refused), methods that change shared
+objects (``model.register_forward_hook``, in-place tensor ops on a setup cell's tensors), reaching the part through
+package code that calls it (1.4: a model layer runs ``ContiguousKVCache.forward``) or through a name the lint cannot
+tie to it (an alias a lesson cell made), reading a value the check computed (a name of the notebook's namespace),
+writing files where a challenge may (:data:`EXTRA`), and whatever a module on the allow-list exposes that this list
+does not know about. The lint is a first line; the
 tripwire and the check's own probes are the others.
 
 vLLM has nothing like this: it is a course's device, like the tripwire.
@@ -42,8 +48,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
+from pathlib import Path
 
 from minillm.course.exercises.tripwire import targets_of
 
@@ -144,8 +152,20 @@ class Finding:
     message: str
 
 
+# The pseudo-exercise of a notebook's import lines, linted on their own by the capstone's loader in grading mode
+# (:func:`minillm.course.exercises.grading.load_answers`): no part to build, the same rules otherwise.
+IMPORTS = "imports"
+
+
 def _what(exercise: str) -> str:
+    if exercise == IMPORTS:
+        return "The import lines"
     return f"Challenge {exercise[1:]}" if exercise.startswith("C") else f"Exercise {exercise}"
+
+
+def _targets(exercise: str) -> list[str]:
+    """The tripwire's targets of ``exercise`` ("module:qualname"); none for :data:`IMPORTS`."""
+    return [] if exercise == IMPORTS else targets_of(exercise)
 
 
 class AnswerRefused(AssertionError):
@@ -164,24 +184,82 @@ class AnswerRefused(AssertionError):
 
 def _function_targets(exercise: str) -> dict[str, str]:
     """Name -> "module.name" of the exercise's targets that are functions or kernels (not methods)."""
-    return {q: f"{m}.{q}" for m, q in (t.split(":") for t in targets_of(exercise)) if "." not in q}
+    return {q: f"{m}.{q}" for m, q in (t.split(":") for t in _targets(exercise)) if "." not in q}
 
 
 def _method_targets(exercise: str) -> dict[tuple[str, str], str]:
-    """(class, method) -> "module.Class.method" of the exercise's targets that are methods."""
-    return {tuple(q.split(".", 1)): f"{m}.{q}" for m, q in (t.split(":") for t in targets_of(exercise)) if "." in q}
+    """(class, method) -> "module.Class.method" of the exercise's targets that are methods, and of the package's
+    classes that inherit such a method without overriding it (``SharedStorageConnector`` for 9.2's
+    ``PromptKVConnector.get_num_new_matched_tokens``)."""
+    found: dict[tuple[str, str], str] = {}
+    for m, q in (t.split(":") for t in _targets(exercise)):
+        if "." in q:
+            owner, method = q.split(".", 1)
+            for cls in _heirs(owner, method):
+                found.setdefault((cls, method), f"{m}.{q}")
+    return found
 
 
-def allowed_imports_text(exercise: str) -> str:
-    """One sentence on what an answer to ``exercise`` may import, for a notebook's opening or a refusal."""
-    stdlib = ", ".join(sorted(m for m in ALLOWED_MODULES if m not in _WITH_SUBMODULES))
-    extra = "".join(f"; for this challenge also {m}" + (f" ({', '.join(sorted(names))})" if names else "")
-                    for m, names in EXTRA.get(exercise, {}).items())
-    targets = ", ".join(t.replace(":", ".") for t in targets_of(exercise))
-    return (f"An answer may import: {stdlib}; torch, numpy and triton (not their private modules, "
-            f"{', '.join(m for m in _REFUSED_SUBMODULES if not m.startswith('minillm'))}); the names it needs from "
-            f"minillm and kernels modules (from minillm.core import BlockPool){extra}; not: minillm.course, and the "
-            f"part the exercise asks you to build (for {exercise}: {targets}).")
+@functools.lru_cache(maxsize=None)
+def _package_classes() -> dict[str, list[tuple[tuple[str, ...], frozenset[str]]]]:
+    """Class name -> (its bases' last names, the names its body defines) for every class of the minillm and
+    kernels packages, read from their source (nothing imported)."""
+    import minillm
+
+    root = Path(minillm.__file__).resolve().parent
+    classes: dict[str, list[tuple[tuple[str, ...], frozenset[str]]]] = {}
+    for path in sorted([*root.rglob("*.py"), *root.parent.joinpath("kernels").rglob("*.py")]):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = tuple(b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases)
+                body = frozenset(n.name if not isinstance(n, ast.Assign) else t.id for n in node.body
+                                 for t in (n.targets if isinstance(n, ast.Assign) else [n])
+                                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                                 or isinstance(t, ast.Name))
+                classes.setdefault(node.name, []).append((bases, body))
+    return classes
+
+
+@functools.lru_cache(maxsize=None)
+def _heirs(owner: str, method: str) -> frozenset[str]:
+    """``owner`` and the package's classes that get ``owner.method`` by inheritance (by name, transitively)."""
+    heirs, todo = {owner}, [owner]
+    while todo:
+        base = todo.pop()
+        for name, kinds in _package_classes().items():
+            if name not in heirs and any(base in bases and method not in body for bases, body in kinds):
+                heirs.add(name)
+                todo.append(name)
+    return frozenset(heirs)
+
+
+def allowed_imports_text(exercise: str | Iterable[str], *, markdown: bool = False) -> str:
+    """One sentence on what an answer to ``exercise`` may import, for a refusal; given several exercises (a
+    chapter's), the sentence of an exercise notebook's opening, naming each exercise's part. With ``markdown``,
+    module and code names are in backticks."""
+    numbers = [exercise] if isinstance(exercise, str) else list(exercise)
+
+    def c(text: str) -> str:
+        return f"`{text}`" if markdown else text
+
+    stdlib = ", ".join(c(m) for m in sorted(m for m in ALLOWED_MODULES if m not in _WITH_SUBMODULES))
+    extra = "".join(
+        f"; for {'this challenge' if len(numbers) == 1 else 'challenge ' + n[1:]} also "
+        + ", ".join(c(m) + (f" ({', '.join(map(c, sorted(names)))})" if names else "") for m, names in EXTRA[n].items())
+        for n in numbers if EXTRA.get(n))
+    parts = "; ".join(f"{n if not n.startswith('C') else 'challenge ' + n[1:]}: "
+                      + ", ".join(c(t.replace(":", ".")) for t in _targets(n)) for n in numbers if _targets(n))
+    what = (f"the part the exercise asks you to build (for {parts})" if len(numbers) == 1
+            else f"the part each exercise asks you to build ({parts})")
+    refused = ", ".join(c(m) for m in _REFUSED_SUBMODULES if not m.startswith("minillm"))
+    return (f"An answer may import: {stdlib}; {c('torch')}, {c('numpy')} and {c('triton')} (not their private "
+            f"modules, {refused}); the names it needs from {c('minillm')} and {c('kernels')} modules "
+            f"({c('from minillm.core import BlockPool')}){extra}; not: {c('minillm.course')}"
+            + (f", and {what}." if parts else "."))
 
 
 def top_level_names(source: str) -> set[str]:
@@ -237,6 +315,8 @@ class _Linter:
         self.source, self.exercise, self.protected = source, exercise, frozenset(protected)
         self.extra = EXTRA.get(exercise, {})
         self.functions, self.methods = _function_targets(exercise), _method_targets(exercise)
+        # classes whose constructor is a target (9.1's ColumnParallelLinear): calling the class runs it
+        self.constructors = {cls for cls, method in self.methods if method == "__init__"}
         self.findings: list[Finding] = []
         self.top_level: set[ast.AST] = set()   # the nodes that run in the notebook's namespace
         self.in_annotation = False
@@ -260,6 +340,17 @@ class _Linter:
                       if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                       for body in [node.body] if body and isinstance(body[0], ast.Expr)}
         self.receivers: dict[int, str] = {}   # id(Name) -> the attribute read off it (os in os.replace)
+        self.parents: dict[int, ast.AST] = {id(child): node for node in ast.walk(tree)
+                                            for child in ast.iter_child_nodes(node)}
+        # name -> the names and attribute chains assigned to it (t = torch; R = ModelRunner; kv = self.kv)
+        self.aliases: dict[str, list[ast.expr]] = {}
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                       if isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None else [])
+            if isinstance(getattr(node, "value", None), (ast.Name, ast.Attribute)):
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        self.aliases.setdefault(target.id, []).append(node.value)
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 self.receivers[id(node.value)] = node.attr
@@ -370,6 +461,9 @@ class _Linter:
             elif alias.name in self.functions:
                 self.add(node, "target", f"{self.code(node)}: {_what(self.exercise)} asks you to build "
                                          f"{alias.name} yourself")
+            elif alias.name in self.constructors:
+                self.add(node, "target", f"{self.code(node)}: {_what(self.exercise)} asks you to build what "
+                                         f"{alias.name}'s constructor does yourself")
             elif alias.name in _REFUSED_ATTRIBUTES:
                 rule, what = _REFUSED_ATTRIBUTES[alias.name]
                 self.add(node, rule, f"{self.code(node)}: {alias.name} {what}")
@@ -410,6 +504,9 @@ class _Linter:
                                       "by name")
         elif name in self.functions and name not in self.imported:
             self.add(node, "target", f"`{name}` is what {_what(self.exercise)} asks you to build yourself")
+        elif name in self.constructors and name not in self.imported:
+            self.add(node, "target", f"`{name}`'s constructor is what {_what(self.exercise)} asks you to build "
+                                     "yourself")
         elif name in REFUSED_MODULES or name in ("ForwardRef", "get_type_hints", "make_dataclass"):
             module = self.imported.get(name, name)
             granted = self.extra.get(module)
@@ -428,12 +525,17 @@ class _Linter:
         elif attr in _REFUSED_ATTRIBUTES:
             rule, what = _REFUSED_ATTRIBUTES[attr]
             self.add(node, rule, f"{self.code(node)} {what}")
-        elif attr in self.functions and self.made_elsewhere(node.value):
+        elif (attr in self.functions or attr in self.constructors) and self.made_elsewhere(node.value):
             self.add(node, "target", f"{self.code(node)}: {_what(self.exercise)} asks you to build {attr} yourself")
-        elif isinstance(node.value, ast.Name) and (node.value.id, attr) in self.methods \
-                and node.value.id not in self.bound:
+        elif any((cls, attr) in self.methods for cls in self.classes_of(node.value)):
             self.add(node, "target", f"{self.code(node)} is the package's {attr}: {_what(self.exercise)} asks you to "
                                      "write it yourself")
+        elif self.super_target(node):
+            self.add(node, "target", f"{self.code(node)} calls the package's {attr} that your class overrides: "
+                                     f"{_what(self.exercise)} asks you to write it yourself")
+        elif self.method_target(node):
+            self.add(node, "target", f"{self.code(node)} reaches the package's {attr} on an object the answer did "
+                                     f"not write it for: {_what(self.exercise)} asks you to write it yourself")
         elif attr in ("format", "format_map") and not isinstance(node.value, (ast.Constant, ast.JoinedStr)):
             self.add(node, "reflection", f"{self.code(node)}: a format string not written out can read any attribute "
                                          "by name; use an f-string")
@@ -443,11 +545,69 @@ class _Linter:
         elif dotted and attr in ("load", "loads") and dotted.split(".")[0] in ("torch", "numpy"):
             self.add(node, "load", f"{self.code(node)} unpickles, which can run any code")
 
-    def made_elsewhere(self, node: ast.AST) -> bool:
-        """Whether an attribute chain's root is a name the answer did not bind (or bound by an import)."""
+    def made_elsewhere(self, node: ast.AST, depth: int = 0) -> bool:
+        """Whether an attribute chain's root is a name the answer did not bind (or bound by an import), or a name
+        the answer assigned such a chain to (``t = torch``: ``t.allclose`` is torch's)."""
         while isinstance(node, (ast.Attribute, ast.Subscript)):
             node = node.value
-        return isinstance(node, ast.Name) and (node.id not in self.bound or node.id in self.imported)
+        if not isinstance(node, ast.Name):
+            return False
+        if node.id not in self.bound or node.id in self.imported:
+            return True
+        return depth < 8 and any(self.made_elsewhere(v, depth + 1) for v in self.aliases.get(node.id, ()))
+
+    def classes_of(self, node: ast.AST, depth: int = 0) -> set[str]:
+        """The class names a receiver may stand for, when it is made elsewhere: ``ModelRunner``, ``MR`` (``from ...
+        import ModelRunner as MR``), ``R`` (``R = ModelRunner``), ``model_runner.ModelRunner``."""
+        if isinstance(node, ast.Name):
+            if node.id in self.imported:
+                return {self.imported[node.id].rsplit(".", 1)[-1]}
+            if node.id not in self.bound:
+                return {node.id}
+            if depth < 8:
+                return {c for v in self.aliases.get(node.id, ()) for c in self.classes_of(v, depth + 1)}
+            return set()
+        if isinstance(node, ast.Attribute) and self.made_elsewhere(node):
+            return {node.attr}
+        return set()
+
+    def enclosing(self, node: ast.AST, kind: type | tuple[type, ...]) -> ast.AST | None:
+        parent = self.parents.get(id(node))
+        while parent is not None and not isinstance(parent, kind):
+            parent = self.parents.get(id(parent))
+        return parent
+
+    def method_target(self, node: ast.Attribute) -> bool:
+        """``obj.m`` where ``m`` is the name of a method target (``engine.step`` for 6.2, ``pool.free_blocks`` for
+        2.5): the package's method, on whatever object the answer was given. Allowed only on ``self`` (the first
+        parameter of a method) in a class that defines ``m`` itself or does not derive from the target's class."""
+        owners = {cls for cls, method in self.methods if method == node.attr and not _DUNDER.fullmatch(method)}
+        if not owners or not isinstance(node.value, ast.Name):
+            return bool(owners) and not isinstance(node.value, ast.Call)   # super() calls: super_target
+        function = self.enclosing(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        cls = function and self.enclosing(function, ast.ClassDef)
+        params = function.args.posonlyargs + function.args.args if function else []
+        if not (cls and params and node.value.id == params[0].arg):
+            return True
+        defines = any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Assign)) and node.attr in (
+            [n.name] if not isinstance(n, ast.Assign) else [t.id for t in n.targets if isinstance(t, ast.Name)])
+            for n in cls.body)
+        return not defines and any(owners & self.classes_of(base) for base in cls.bases)
+
+    def super_target(self, node: ast.Attribute) -> bool:
+        """``super().m`` (or ``super(C, self).m``) in a class that derives from the class of a method target
+        ``m``: the package's own method, reached through the answer's subclass."""
+        call = node.value
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "super"
+                and "super" not in self.bound):
+            return False
+        owners = {cls for cls, method in self.methods if method == node.attr}
+        parent = self.parents.get(id(node))
+        while parent is not None and not isinstance(parent, ast.ClassDef):
+            parent = self.parents.get(id(parent))
+        if parent is None:
+            return bool(owners)   # super() outside a class: refuse the name
+        return any(owners & self.classes_of(base) for base in parent.bases)
 
     def dotted(self, node: ast.AST) -> str | None:
         """The module path an attribute chain's receiver stands for (``F.silu`` -> ``torch.nn.functional``), when

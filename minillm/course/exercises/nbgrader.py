@@ -47,7 +47,7 @@ from typing import Any
 
 import nbformat
 
-from minillm.course.exercises.build import BEGIN, END, _TITLE, strip_solutions
+from minillm.course.exercises.build import BEGIN, END, _TITLE, strip_solutions, with_allowed_imports
 
 COURSE_ID = "minillm"
 STAR_POINTS = {"★": 1, "★★": 2, "★★★": 3}
@@ -196,8 +196,9 @@ def _nbgrader_meta(grade_id: str, *, solution: bool, grade: bool, locked: bool,
 
 def source_notebook(nb: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
     """The nbgrader source version of a solution notebook: the same cells, with nbgrader metadata on each exercise
-    cell (autograded answer) and each check cell (read-only autograder test worth the exercise's points)."""
-    nb = nbformat.from_dict(nb)
+    cell (autograded answer) and each check cell (read-only autograder test worth the exercise's points), and
+    the exercise notebooks' cell on what an answer may import (so the released notebooks equal ``exercises/``)."""
+    nb = with_allowed_imports(nbformat.from_dict(nb))
     for cell in nb.cells:
         cell.metadata.pop("execution", None)  # run timestamps: they would reach the students' notebooks
     for ex in notebook_exercises(nb, name):

@@ -390,8 +390,15 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
     from minillm.engine.arg_utils import EngineArgs
     from minillm.engine.llm_engine import LLMEngine
 
+    from minillm.course.exercises import grading
+
     parts = learner.engine_parts(use_reference_for) if isinstance(learner, LearnerParts) else learner
     package_parts = frozenset(set(PART_NAMES) - set(parts.replaced()))
+    if grading.ACTIVE and guarded and run_engine is not run_requests:
+        # Graded: run_engine runs in the answer's process and the parts are checked here, so the two are checked
+        # apart: run_engine on the package's engine there, then the parts as the engine with the package's loop.
+        _check_run_engine(guard("8.1", run_engine), model, tokenizer)
+        run_engine = run_requests
     checker = PartChecker(parts, label=label, guarded=guarded,
                           package_parts=set(use_reference_for) if isinstance(learner, LearnerParts) else None)
     engine = LLMEngine(model, tokenizer, EngineArgs(**CAPSTONE_ARGS), parts=checker.parts())
@@ -435,6 +442,26 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
     assert all(checker.calls[n] > 0 for n in PART_NAMES), f"a part was never called: {checker.calls}"
     return result
 
+
+
+def _check_run_engine(runner: Callable[..., Any], model: Any, tokenizer: Any) -> None:
+    """Exercise 8.1 alone, on the package's engine: ``runner`` must return what :func:`run_requests` returns on an
+    engine built alike (when graded, ``runner`` runs in the answer's process, which gets a copy of the engine)."""
+    from minillm.engine.arg_utils import EngineArgs
+    from minillm.engine.llm_engine import LLMEngine
+
+    prompts, params = capstone_requests(tokenizer)
+    engine = LLMEngine(model, tokenizer, EngineArgs(**CAPSTONE_ARGS))
+    tokens = runner(engine, [list(p) for p in prompts], params)
+    if not isinstance(tokens, (list, tuple)) or len(tokens) != len(prompts):
+        raise AssertionError(f"run_engine must return one list of token ids per prompt ({len(prompts)}), got "
+                             f"{type(tokens).__name__} of length {len(tokens) if hasattr(tokens, '__len__') else '?'}")
+    want = run_requests(LLMEngine(model, tokenizer, EngineArgs(**CAPSTONE_ARGS)), [list(p) for p in prompts], params)
+    for i, (got, expected) in enumerate(zip(tokens, want)):
+        if params[i].temperature == 0 and list(got) != expected:
+            raise AssertionError(f"request {i} ({CAPSTONE_QUESTIONS[i]!r}): run_engine (Exercise 8.1) on the "
+                                 f"package's own engine returned {list(got)}, the engine's tokens are {expected}: "
+                                 f"does it return each prompt's tokens in prompt order, all of them?")
 
 
 def run_requests(engine: Any, prompts: list[list[int]], params: list[Any]) -> list[list[int]]:

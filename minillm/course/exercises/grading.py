@@ -129,11 +129,16 @@ def _defined_names(source: str) -> list[str]:
 
 
 def _local_callable(obj: Any) -> bool:
-    """A function of the check that pickle cannot name (a closure, a lambda, a method bound to one): it goes as an
-    opaque placeholder, and comes back as itself."""
+    """A function of the check that pickle cannot name (a closure, a lambda, a wrapper, a method bound to one): it
+    goes as an opaque placeholder, and comes back as itself."""
     if isinstance(obj, types.MethodType):
         return _local_callable(obj.__func__)
-    return isinstance(obj, types.FunctionType) and ("<locals>" in obj.__qualname__ or obj.__name__ == "<lambda>")
+    if not isinstance(obj, types.FunctionType):
+        return False
+    found: Any = sys.modules.get(getattr(obj, "__module__", None) or "")
+    for part in obj.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is not obj
 
 
 # What the checks watch in the answer's process: (spec, only, sink). A spec is ("methods", module, class qualname,
@@ -277,6 +282,8 @@ class AnswerClient:
             return ("answer", vars(cls)["_minillm_answer_class"])
         own = [k for k, v in vars(cls).items() if isinstance(v, (types.FunctionType, staticmethod, classmethod,
                                                                   property))]
+        # its own methods, but not those wrapping the answer's (a guard's subclass): those are the answer's there
+        own = [k for k in own if not any(k in vars(b) for b in cls.__mro__[1:] if "_minillm_answer_class" in vars(b))]
         self.local_classes[id(cls)] = cls
         # its own plain class attributes go too (a check's subclass that sets a parameter: C4's watermark)
         attrs = {k: v for k, v in vars(cls).items()

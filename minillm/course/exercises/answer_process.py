@@ -66,6 +66,7 @@ class AnswerServer:
         main.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = main
         self.ns: dict[str, Any] = main.__dict__
+        self.spaces: dict[str, dict[str, Any]] = {}  # the capstone's: one namespace per chapter notebook
         self.handles: dict[int, Any] = {}
         self.handle_of: dict[int, int] = {}
         self.classes: dict[int, type] = {}  # key -> a class of the answer (or of the notebook's cells)
@@ -203,18 +204,34 @@ class AnswerServer:
 
     # --- the operations ----------------------------------------------------------------------------------------------
 
-    def _run(self, label: str, source: str) -> Any:
+    def _run(self, label: str, source: str, space: str | None = None, fresh: bool = False) -> Any:
         # its lines where inspect finds them: Triton reads a kernel's source, and so does answer_kernels
         linecache.cache[label] = (len(source), None, source.splitlines(keepends=True), label)
-        code = compile(source, label, "exec")
-        exec(code, self.ns)  # noqa: S102 - the notebook's cells and the answer: this process exists to run them
+        try:
+            code = compile(source, label, "exec")
+        except SyntaxError:
+            # a notebook cell with IPython's magics (%matplotlib inline): they mean nothing here; the rest runs.
+            # (An answer with a magic never gets here: the lint refuses it.)
+            plain = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+            code = compile(plain, label, "exec")
+        exec(code, self._space(space, fresh))  # noqa: S102 - the notebook's cells and the answer: this process exists to run them
         return None
 
-    def _answer(self, label: str, source: str) -> dict[str, Any]:
-        before = {k: id(v) for k, v in self.ns.items()}
-        self._run(label, source)
+    def _space(self, space: str | None, fresh: bool = False) -> dict[str, Any]:
+        """The namespace a cell runs in: the notebook's (``__main__``), or one of the capstone's, one per chapter
+        notebook (its functions and classes count as the answer's, as in ``__main__``)."""
+        if space is None:
+            return self.ns
+        if fresh or space not in self.spaces:
+            self.spaces[space] = {"__name__": "__main__", "__builtins__": __builtins__}
+        return self.spaces[space]
+
+    def _answer(self, label: str, source: str, space: str | None = None) -> dict[str, Any]:
+        ns = self._space(space)
+        before = {k: id(v) for k, v in ns.items()}
+        self._run(label, source, space)
         names: dict[str, Any] = {}
-        for name, value in self.ns.items():
+        for name, value in ns.items():
             if name.startswith("__") or before.get(name) == id(value):
                 continue
             if isinstance(value, type):
@@ -275,9 +292,9 @@ class AnswerServer:
             try:
                 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                     if op == "run":
-                        result: Any = self._run(message[1], message[2])
+                        result: Any = self._run(*message[1:])
                     elif op == "answer":
-                        result = self._answer(message[1], message[2])
+                        result = self._answer(*message[1:])
                     elif op == "call":
                         result = self._call(*message[1:])
                     elif op == "get":

@@ -19,7 +19,14 @@ code:
    (:mod:`minillm.course.exercises.remote`). The reference and the comparison run here, after the reply.
 
 So the verdict is the same function of the answer's outputs as in JupyterLab, and nothing the answer executes can
-reach the check, the reference, or this kernel.
+reach the check, the reference, or this kernel. Three kinds of check need more than calls:
+
+- a check that watches how the answer uses the package (a forward hook on the model: :func:`watch_forward`; the
+  calls of a package method: :func:`recording`) has the watch put there, and gets what it saw with each reply;
+- a Triton kernel of the answer comes back as its source and is rebuilt here, once it is Triton only
+  (:mod:`~minillm.course.exercises.answer_kernels`), so the check can launch and trace it;
+- the capstone checks the learner's serving loop on the package's engine there, and the learner's parts as the
+  engine here (:func:`~minillm.course.exercises.capstone.check_capstone`).
 """
 from __future__ import annotations
 
@@ -69,14 +76,26 @@ class AnswerError(Exception):
 def start(plan_path: str, namespace: dict[str, Any]) -> None:
     """Grading mode for this kernel: read the plan, import the checks, and remember the notebook's namespace
     (``globals()`` of the notebook)."""
-    global ACTIVE, _PLAN, _NAMESPACE
+    global ACTIVE, _PLAN, _NAMESPACE, _CURRENT
+    _CURRENT = -1  # the next cell to run is the plan's first
     _PLAN = json.loads(Path(plan_path).read_text())["cells"]
     _NAMESPACE = namespace
     for name in _CHECK_MODULES:
         importlib.import_module(name)
     for path in sorted(Path(__file__).parent.joinpath("challenges").glob("ch*.py")):
         importlib.import_module(f"minillm.course.exercises.challenges.{path.stem}")
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    if shell is not None:  # count the cells as they run: a call first brings the answer's process up to here
+        shell.events.register("pre_run_cell", _advance)
     ACTIVE = True
+
+
+_CURRENT = 0  # the plan's index of the cell running now (the start cell is not in the plan)
+
+
+def _advance(*_: Any) -> None:
+    global _CURRENT
+    _CURRENT += 1
 
 
 def answer(index: int) -> None:
@@ -227,6 +246,12 @@ class RemoteFunction:
     def __repr__(self) -> str:
         return f"<answer's function {self.__name__}>"
 
+    def __copy__(self) -> "RemoteFunction":
+        return self  # a function: a check's copy of a state holding it holds the same one
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "RemoteFunction":
+        return self
+
 
 def _stand_in_of(cls: type) -> type | None:
     """The first stand-in class in ``cls``'s MRO (``None`` if it has none)."""
@@ -257,6 +282,9 @@ class AnswerClient:
         self.sock.settimeout(timeout_s)
         self._lock = threading.Lock()
         atexit.register(self.close)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "AnswerClient":
+        return self  # one process per notebook: never copied with a state that refers to it
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -320,6 +348,11 @@ class AnswerClient:
                 if not isinstance(obj, type) and _stand_in_of(type(obj)) is not None:
                     state = dict(vars(obj)) if hasattr(obj, "__dict__") else None
                     return (object.__new__, (type(obj),), state)
+                if isinstance(obj, types.MethodType) and hasattr(obj.__self__, "answer_side") and \
+                        type(obj.__self__).__module__.startswith("minillm.course."):
+                    side = obj.__self__.answer_side(obj.__func__.__name__)  # a check's part: the learner's there
+                    if side is not None:
+                        return (remote.part_in_answer, side)
                 return remote.reduce_value(obj)
 
         buf = io.BytesIO()
@@ -448,6 +481,8 @@ class AnswerClient:
     def call(self, target: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from minillm.course.exercises.tripwire import active_exercises
 
+        if self.plan and _CURRENT > 0:
+            self.catch_up_before(_CURRENT)  # the teacher's cells that ran here since the answer (the model, say)
         watched = list(_RECORDERS)
         if not watched:
             return self.request(("call", active_exercises(), target, tuple(args), dict(kwargs)))
@@ -464,6 +499,19 @@ class AnswerClient:
             if only is None or obj is only:
                 sink(name, call_args)
         return out[1]
+
+    def catch_up_before(self, position: int) -> None:
+        """Run in the answer's process the teacher's cells of the plan before ``position`` not run there yet."""
+        while self.sent_cells < min(position, len(self.plan)):
+            cell = self.plan[self.sent_cells]
+            self.sent_cells += 1
+            if cell["kind"] == "setup":
+                try:
+                    self.request(("run", f"<cell {self.sent_cells - 1}>", cell["source"]))
+                except remote.WireError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - shown, and the answer goes on as it would in a kernel
+                    print(f"(the answer's process: cell {self.sent_cells - 1} raised {type(e).__name__}: {e})")
 
     def catch_up(self, index: int) -> None:
         """Run in the answer's process the teacher's cells of the plan before ``index`` not run there yet."""
@@ -547,17 +595,25 @@ def _answer_imports(imports: str) -> str:
     return "\n".join(keep)
 
 
+_CAPSTONE_CLIENT: "AnswerClient | None" = None
+
+
 def load_answers(label: str, imports: str, answers: dict[str, str]) -> tuple[dict[str, Any], str | None]:
     """The capstone's loader in grading mode (:func:`minillm.course.exercises.parts.load_learner_parts`): run a
     notebook's import lines and its answers in a new answer process, each answer linted first. Returns the names
     (as proxies) and the first error, or ``None``."""
     from minillm.course.exercises.lint import AnswerRefused, check_answer
 
+    global _CAPSTONE_CLIENT
     namespace: dict[str, Any] = {"__name__": f"learner_{label}"}
-    client = AnswerClient(namespace)
+    # One answer process for every notebook the capstone reads (a namespace each): its parts call each other (the
+    # learner's scheduler calls the learner's block allocation), so they must live where they can.
+    if _CAPSTONE_CLIENT is None or not _CAPSTONE_CLIENT.alive():
+        _CAPSTONE_CLIENT = AnswerClient({"__name__": "learner_capstone"})
+    client = _CAPSTONE_CLIENT
     imports = _answer_imports(imports)
     try:
-        client.request(("run", f"{label}:imports", imports))
+        client.request(("run", f"{label}:imports", imports, label, True))
     except Exception as e:  # noqa: BLE001
         return namespace, f"its import lines failed: {type(e).__name__}: {e}"
     for number, source in answers.items():
@@ -568,7 +624,7 @@ def load_answers(label: str, imports: str, answers: dict[str, str]) -> tuple[dic
         except SyntaxError:
             pass
         try:
-            client.bind(client.request(("answer", f"{label}:Exercise {number}", source)), namespace)
+            client.bind(client.request(("answer", f"{label}:Exercise {number}", source, label)), namespace)
         except Exception as e:  # noqa: BLE001
             return namespace, f"the cell of Exercise {number} failed to run: {type(e).__name__}: {e}"
     return namespace, None

@@ -187,6 +187,22 @@ def reduce_value(obj: Any) -> Any:
     return NotImplemented
 
 
+def part_in_answer(fn: Callable[..., Any], numbers: tuple[str, ...]) -> Callable[..., Any]:
+    """(Answer side.) A part of the capstone's engine as the answer's process runs it: the learner's function under
+    the tripwire of its exercises (the check of each call stays in the grading process, where it is called)."""
+    if not numbers:
+        return fn
+    from minillm.course.exercises.tripwire import DelegationError, building
+
+    def part(*args: Any, **kwargs: Any) -> Any:
+        with building(numbers) as trip:
+            result = fn(*args, **kwargs)
+        if trip.target is not None:
+            raise DelegationError(trip.exercise, trip.target)
+        return result
+    return part
+
+
 # --- tensors there (the request side): views keep sharing their storage -------------------------------------------
 
 _STORAGES: dict[int, Any] = {}  # the storages of the request being read (answer side), by the sender's key

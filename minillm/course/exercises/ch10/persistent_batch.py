@@ -348,12 +348,13 @@ def replay(update_states: UpdateStates, recording: Recording) -> dict[str, int]:
         where = f"In run {recording.name!r}, step {k} of {total} ({describe_plan(ref_so)})"
         slots_before = dict(ref_batch.req_id_to_index)
         blocks_before = {rid: list(s.block_ids) for rid, s in ref_reqs.items()}
-        reference_update_states(ref_batch, ref_reqs, ref_so)
+        # The learner's update first: the reference's result of this step does not exist while it runs.
         try:
             update_states(mine_batch, mine_reqs, mine_so)
         except (NotImplementedError, AssertionError):  # a stub, or a call of the package's own update
             raise
         except Exception as e:  # a crash is a wrong answer: say where, and what the plan held
+            reference_update_states(ref_batch, ref_reqs, ref_so)
             hint = _states_problem(mine_reqs, ref_reqs, ref_so, blocks_before)
             both = {n.req_id for n in ref_so.scheduled_new_reqs} & ref_so.finished_req_ids
             if both and "already in the batch" in str(e):
@@ -362,6 +363,7 @@ def replay(update_states: UpdateStates, recording: Recording) -> dict[str, int]:
                         f"the new ones")
             raise AssertionError(f"{where}: your update_states raised {type(e).__name__}: {e}"
                                  + (f". {hint[0].upper()}{hint[1:]}" if hint else "")) from e
+        reference_update_states(ref_batch, ref_reqs, ref_so)
         problem = (_states_problem(mine_reqs, ref_reqs, ref_so, blocks_before)
                    or _batch_problem(mine_batch, ref_batch, ref_so, slots_before))
         if problem:

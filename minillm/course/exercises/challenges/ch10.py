@@ -377,10 +377,8 @@ def replay(reorder: Reorder, recording: Recording, threshold: int) -> dict[str, 
         where = (f"In run {recording.name!r} with decode_threshold={threshold}, step {k} of {total} "
                  f"({describe_plan(so)})")
         before = copy.deepcopy(batch)
-        want_inputs = _step_inputs(before, so) if so.total_num_scheduled_tokens else None
-        with _calls_on(batch) as ref_calls:
-            want = reorder_batch_to_split_decodes_and_prefills(batch, so, threshold)
         mine = copy.deepcopy(before)
+        # The learner's function first: the reference's reorder of this step does not exist while it runs.
         with _calls_on(mine) as calls:
             try:
                 got = reorder(mine, pickle.loads(step.plan), threshold)  # a plan of its own: nothing shared
@@ -389,6 +387,9 @@ def replay(reorder: Reorder, recording: Recording, threshold: int) -> dict[str, 
             except Exception as e:  # a crash is a wrong answer: say where
                 raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e} (slots before: "
                                      f"{list(before.req_ids)})") from e
+        want_inputs = _step_inputs(before, so) if so.total_num_scheduled_tokens else None
+        with _calls_on(batch) as ref_calls:
+            want = reorder_batch_to_split_decodes_and_prefills(batch, so, threshold)
         problem = (_structure_problem(mine, before) or _rebuild_problem(calls) or _data_problem(mine, before)
                    or _order_problem(mine, so, threshold) or _replay_problem(mine, before, calls))
         swaps = sum(name == "swap_states" for name, _ in calls)

@@ -419,6 +419,7 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
     if not isinstance(tokens, (list, tuple)) or len(tokens) != len(prompts):
         raise AssertionError(f"run_engine must return one list of token ids per prompt ({len(prompts)}), got "
                              f"{type(tokens).__name__} of length {len(tokens) if hasattr(tokens, '__len__') else '?'}")
+    tokens = [list(t) for t in tokens]  # taken before transformers' reference runs
 
     expected: list[list[int] | None] = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -16,8 +16,9 @@ The runs (:data:`SCENARIOS`) make the scheduler go through every case: new reque
 tokens, chunks of 5), n-gram drafts (one of them on a request that ``condense`` moves), requests finishing mid-batch
 (holes that ``condense`` fills), preemption and resumption (KV caches of 19 and 21 usable blocks of 4 tokens), a
 running request left out by the budget, a request aborted and sent again under the same id (finished and new in one
-plan), and, with async scheduling, a request preempted while a step was in flight for it, whose tokens the scheduler
-resends without that step's token.
+plan), with async scheduling, a request preempted while a step was in flight for it, whose tokens the scheduler
+resends without that step's token, and a failed KV load, after which the scheduler resends the tokens of a request
+that still holds its slot.
 """
 from __future__ import annotations
 
@@ -85,6 +86,12 @@ _PROMPTS = {"a": [5, 9, 17] * 7, "b": list(range(60, 81)), "c": [5, 9, 17] * 7 +
 _FIRST = [("a", _PROMPTS["a"], _greedy(10)), ("b", _PROMPTS["b"], _seeded(5, 10)), ("c", _PROMPTS["c"], _greedy(8)),
           ("d", _PROMPTS["d"], _seeded(7, 6)), ("e", _PROMPTS["e"], _greedy(4))]
 
+# "b"'s prompt is promised by a KV connector whose load fails (ch10/failed_load.py): the scheduler recomputes it in the
+# blocks it holds, and resends its tokens to the slot it keeps in the runner's batch.
+_FAILED_LOAD = {"kv_connector": "FailedLoadConnector", "kv_role": "kv_consumer",
+                "kv_connector_module_path": "minillm.course.exercises.ch10.failed_load",
+                "kv_connector_extra_config": {"fail_load": ["b"]}}
+
 # name -> (engine arguments, {turn: [(id, prompt, params)]}, {turn: [ids aborted before it]}, async scheduling); a
 # turn is one step of a synchronous core.
 # "a" and "c" repeat a pattern (n-gram drafts; "c" also hits "a"'s blocks in the prefix cache); the victim of the abort
@@ -103,6 +110,10 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[int, list], dict[int, list[str]]
     "async scheduling, 11 blocks": (
         dict(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64, max_model_len=40),
         {0: [("a", list(range(15)), _greedy(16)), ("b", list(range(100, 115)), _seeded(3, 16))]}, {}, True),
+    "a failed KV load, 11 blocks": (
+        dict(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64, max_model_len=40,
+             kv_transfer_config=_FAILED_LOAD),
+        {0: [("a", list(range(10, 25)), _greedy(12))], 2: [("b", list(range(40, 53)), _seeded(4, 12))]}, {}, False),
 }
 
 
@@ -326,10 +337,13 @@ def _count(counts: dict[str, int], so: SchedulerOutput, previous: set[str], slot
            ref: InputBatch) -> None:
     cached = so.scheduled_cached_reqs
     left_out = previous - set(so.num_scheduled_tokens) - so.finished_req_ids - so.preempted_req_ids
+    # Tokens resent to a request that kept its slot (a failed KV load rolled it back): written over the slot's.
+    resent_in_slot = [r for r in cached.all_token_ids if r in slots_before and r not in cached.resumed_req_ids]
     for key, n in (("new", len(so.scheduled_new_reqs)), ("finished", len(so.finished_req_ids)),
                    ("preempted", len(so.preempted_req_ids)), ("resumed", len(cached.resumed_req_ids)),
                    ("left out by the budget", len(left_out)), ("with drafts", len(so.scheduled_spec_decode_tokens)),
-                   ("moved by condense", sum(slots_before.get(r, i) != i for r, i in ref.req_id_to_index.items()))):
+                   ("moved by condense", sum(slots_before.get(r, i) != i for r, i in ref.req_id_to_index.items())),
+                   ("resent to their slot", len(resent_in_slot))):
         counts[key] = counts.get(key, 0) + n
 
 
@@ -382,7 +396,7 @@ def check_update_states(update_states: UpdateStates, model: LlamaForCausalLM | N
 
     Returns:
         what the runs held, summed (steps, new, finished, preempted, resumed, left out by the budget, with drafts,
-        moved by condense); printed when ``verbose``.
+        moved by condense, resent to their slot); printed when ``verbose``.
     """
     from minillm.course.exercises.tripwire import guard
 
@@ -395,7 +409,7 @@ def check_update_states(update_states: UpdateStates, model: LlamaForCausalLM | N
         print(f"Your update_states agrees with ModelRunner._update_states after each of the {total['steps']} steps "
               f"of {len(SCENARIOS)} engine runs. Their plans held {total['new']} new requests, {total['finished']} "
               f"finished, {total['preempted']} preempted, {total['resumed']} resumed, "
-              f"{total['left out by the budget']} left out by the budget and {total['with drafts']} with draft "
-              f"tokens; condense moved "
+              f"{total['left out by the budget']} left out by the budget, {total['with drafts']} with draft tokens "
+              f"and {total['resent to their slot']} whose tokens were resent to the slot they kept; condense moved "
               f"{total['moved by condense']} requests.")
     return total

@@ -378,8 +378,10 @@ class EngineCore:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache; with ``reset_running_requests``, preempt every running request first
+        (:meth:`Scheduler.reset_prefix_cache <minillm.core.sched.scheduler.Scheduler.reset_prefix_cache>`)."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def ping(self) -> str:
         return "pong"

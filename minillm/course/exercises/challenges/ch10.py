@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 from minillm.core.sched.output import SchedulerOutput
-from minillm.course.exercises.ch10.persistent_batch import (SCENARIOS, Recording, apply_sampled, describe_plan,
-                                                     record_plans, reference_update_states)
+from minillm.course.exercises.ch10.persistent_batch import (RESETS, SCENARIOS, Recording, apply_sampled,
+                                                     describe_plan, record_plans, reference_update_states)
 from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling_params import SamplingParams
@@ -436,7 +436,7 @@ def check_reorder_batch(reorder: Reorder, model: LlamaForCausalLM | None = None,
     total: dict[str, int] = {"steps": 0}
     runs = {**SCENARIOS, **REORDER_SCENARIOS}
     for name, (engine_args, arrivals, aborts, async_scheduling) in runs.items():
-        recording = record_plans(model, name, engine_args, arrivals, aborts, async_scheduling)
+        recording = record_plans(model, name, engine_args, arrivals, aborts, async_scheduling, RESETS.get(name, ()))
         total["steps"] += len(recording.steps)
         for threshold in THRESHOLDS:
             for key, n in replay(learner, recording, threshold).items():

@@ -74,7 +74,8 @@ def test_a_check_cases_user_2_1(monkeypatch):
     import minillm.attention.paged as paged
 
     ns: dict = {}
-    exec(compile("import torch\n" + exercise_source("02_paged_kv_cache.ipynb", "2.1"), "<2.1>", "exec"), ns)  # noqa: S102
+    source = "import torch\n" + exercise_source("02_paged_kv_cache.ipynb", "2.1")
+    exec(compile(source, "<2.1>", "exec"), ns)  # noqa: S102
     order = ReferenceOrder(key=lambda args, kwargs: case_key(tuple(args) + tuple(kwargs.values())),
                            track_results="same case")
 
@@ -161,8 +162,8 @@ def test_10_3_kv_per_rank(monkeypatch):
     from tests.test_exercises_10 import SOLUTION
 
     ns: dict = {}
-    exec(compile("from minillm.config import LlamaConfig\n" + exercise_source(SOLUTION, "10.3"), "<10.3>", "exec"),  # noqa: S102
-         ns)
+    source = "from minillm.config import LlamaConfig\n" + exercise_source(SOLUTION, "10.3")
+    exec(compile(source, "<10.3>", "exec"), ns)  # noqa: S102
     heads, blocks = ReferenceOrder(key=_by_case), ReferenceOrder(key=_by_case)
     monkeypatch.setattr(kv_per_rank, "reference_num_blocks", blocks.reference(kv_per_rank.reference_num_blocks))
     # reference_kv_heads also sizes the cases and names the slips: watched only as the heads' reference.
@@ -180,8 +181,8 @@ def test_10_3_kv_per_rank(monkeypatch):
     monkeypatch.setattr(kv_per_rank, "_check_heads", _check_heads)
     heads.arm()
     blocks.arm()
-    counts = kv_per_rank.check_kv_per_rank(heads.answer(ns["kv_heads_of_rank"]), blocks.answer(ns["num_blocks_per_rank"]),
-                                           verbose=False)
+    counts = kv_per_rank.check_kv_per_rank(heads.answer(ns["kv_heads_of_rank"]),
+                                           blocks.answer(ns["num_blocks_per_rank"]), verbose=False)
     heads.assert_in_order(min_cases=counts["ranks"])
     blocks.assert_in_order(min_cases=counts["block cases"])
 

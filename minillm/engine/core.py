@@ -379,9 +379,7 @@ class EngineCore:
         return self.scheduler.get_num_unfinished_requests()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Forget the prefix cache; with ``reset_running_requests``, preempt every running request first
-        (:meth:`Scheduler.reset_prefix_cache <minillm.core.sched.scheduler.Scheduler.reset_prefix_cache>`)."""
-        return self.scheduler.reset_prefix_cache(reset_running_requests)
+        return self.scheduler.reset_prefix_cache(reset_running_requests)  # running ones preempted first, if asked
 
     def ping(self) -> str:
         return "pong"

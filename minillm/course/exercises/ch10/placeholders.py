@@ -5,10 +5,11 @@ one (the tokens every engine must give), one with async scheduling and the packa
 reference), and one with async scheduling and the learner's ``Scheduler`` subclass. The two async cores take their
 turns (``step_with_batch_queue``) in lockstep, the learner's first in each turn, and the synchronous core runs once
 they are done; a recorder on each scheduler notes every ``schedule()`` and every ``update_from_output()`` with each
-request's ``num_computed_tokens``, ``num_output_placeholders``, token count and status right after it. The learner's events must equal the reference's one by one, and its tokens the synchronous
-engine's exactly. When a placeholder count differs, the message says what the step did to that request (a prefill
-chunk that samples nothing, the last chunk of a prompt, a decode, a token that came back, a stop with a step still in
-flight) and so which rule was missed.
+request's ``num_computed_tokens``, ``num_output_placeholders``, token count and status right after it. The
+learner's events must equal the reference's one by one, and its tokens the synchronous engine's exactly. When a
+placeholder count differs, the message says what the step did to that request (a prefill chunk that samples nothing,
+the last chunk of a prompt, a decode, a token that came back, a stop with a step still in flight) and so which rule
+was missed.
 
 The scenarios cover a prompt prefilled in chunks of 5 (four chunks that sample nothing), a request whose only token is
 sampled by its prefill (``max_tokens=1``: no step may follow it), ``max_tokens`` reached while a step is in flight, a

@@ -147,6 +147,45 @@ def test_a_request_preempted_with_a_step_in_flight_drops_its_token_and_resumes()
     assert core.stats.num_preemptions > 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_reset_prefix_cache_preempts_every_running_request_and_the_tokens_stay(async_scheduling):
+    """vLLM's reset after new weights (Scheduler.reset_prefix_cache(reset_running_requests=True)): every running
+    request is preempted between two steps, back to the waiting queue in running order, and the reset succeeds; the
+    runner still holds them, and the next plan resumes them with their tokens resent; greedy tokens are those of a
+    run without the reset."""
+    args = dict(max_num_batched_tokens=64, block_size=4, num_gpu_blocks=24, max_model_len=40)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    requests = [(0, "a", list(range(12)), params, 0), (0, "b", list(range(100, 109)), params, 0)]
+    want = run(make(False, **args), requests)
+    engine = make(async_scheduling, **args)
+    core = engine.engine_core.engine_core
+    sched = core.scheduler
+    for _, rid, prompt, p, _ in requests:
+        engine.add_request(rid, prompt, p)
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_requests():
+        if step == 4:
+            assert core.reset_prefix_cache() is False  # the running requests hold blocks
+            assert core.reset_prefix_cache(reset_running_requests=True) is True
+            assert not sched.running and [r.request_id for r in sched.waiting] == ["a", "b"]
+            assert all(r.status.name == "PREEMPTED" and r.num_computed_tokens == 0 for r in sched.waiting)
+            assert sched.kv_cache_manager.num_free_blocks == engine.num_gpu_blocks - 1
+            assert sched.kv_cache_manager.block_pool.num_cached_blocks == 0
+            assert set(core.model_runner.input_batch.req_id_to_index) == {"a", "b"}
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+        if step == 4:
+            plan = core.last_scheduler_output
+            assert plan.scheduled_cached_reqs.resumed_req_ids == {"a", "b"}
+            assert set(plan.scheduled_cached_reqs.all_token_ids) == {"a", "b"}
+        step += 1
+        assert step < 200, "no progress"
+    assert tokens == want
+    assert_idle_and_clean(engine)
+
+
 def test_async_scheduling_is_refused_with_ngram_drafts_and_a_learners_scheduler():
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="Async scheduling is not supported by the V1 model runner with "

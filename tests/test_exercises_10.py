@@ -95,6 +95,16 @@ WRONG_10_1 = {
     "no generator for a seeded request": (((
         "make_generator(params.seed) if params.sampling_type == SamplingType.RANDOM_SEED else None", "None"),),
         ("generator is None, expected make_generator(seed)",)),
+    "does not write resent tokens into a slot": ((("        if resent:\n            batch.set_token_ids(slot, "
+                                                   "state.token_ids)\n", ""),),
+                                                 ("'a failed KV load, then every request preempted'", "holds the expected 13 tokens and 1 "
+                                                  "more", "the scheduler resent its tokens: write them into its slot "
+                                                  "(batch.set_token_ids)")),
+    "keeps a resumed request in its slot": ((("    keep = set(so.num_scheduled_tokens) - cached.resumed_req_ids\n",
+                                              "    keep = set(so.num_scheduled_tokens)\n"),),
+                                            ("'a failed KV load, then every request preempted'", "resumed ['a', 'b']",
+                                             "resume in this plan while they still hold their slots",
+                                             "comes back whole from its state (batch.add_request)")),
     "does not append a running request's new blocks to its row": ((("        batch.block_table.append_row(new_blocks, "
                                                                     "slot)\n", ""),),
                                                                   ("its block-table row holds", "append_row")),
@@ -146,8 +156,46 @@ def test_10_1_the_runs_go_through_every_case():
     counts = check_update_states(ns["update_states"], verbose=False)
     assert counts["steps"] >= 50
     for key in ("new", "finished", "preempted", "resumed", "left out by the budget", "with drafts",
-                "moved by condense"):
+                "moved by condense", "resent to their slot", "resumed from their slot"):
         assert counts[key] > 0, key
+
+
+def test_10_1_every_rule_is_reached_by_a_replayed_step():
+    """Every statement of the solution's update_states runs on some replayed step, so no rule is one the runs never
+    need (an answer that leaves it out would pass). Two rules need a run of their own (the counts above say they
+    happen; their wrong answers above are caught): tokens resent to a request that kept its slot (a failed KV load),
+    and a request resumed while it still holds its slot (every running request preempted between two steps)."""
+    import ast
+    import sys
+
+    from minillm.course.exercises.ch10 import check_update_states
+
+    source = HEADER + exercise_source(SOLUTION, "10.1")
+    ns: dict = {}
+    exec(compile(source, "<10.1>", "exec"), ns)  # noqa: S102
+    ran: set[int] = set()
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename != "<10.1>":
+            return None
+        ran.add(frame.f_lineno)
+        return trace
+
+    def traced(*args):
+        sys.settrace(trace)
+        try:
+            return ns["update_states"](*args)
+        finally:
+            sys.settrace(None)
+
+    check_update_states(traced, verbose=False)
+    function = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)
+                    and n.name == "update_states")
+    statements = {n.lineno for n in ast.walk(function) if isinstance(n, ast.stmt) and n is not function
+                  and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))}  # not the docstring
+    lines = source.splitlines()
+    missed = [lines[i - 1].strip() for i in sorted(statements - ran)]
+    assert not missed, missed
 
 
 # ---------------------------------------------------------------------------------------------------------------------

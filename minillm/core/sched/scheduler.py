@@ -31,11 +31,11 @@ schedules only its last token. A request whose K/V has not arrived yet stays wai
 finished request whose K/V is still being sent keeps its blocks until the connector reports the send done.
 
 vLLM counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``, ``_preempt_request``,
-``update_from_output``, ``update_draft_token_ids``, ``finish_requests``, and for KV transfer ``_free_request``,
-``_update_from_kv_xfer_finished``, ``_handle_failed_recving``, ``_handle_invalid_blocks``). vLLM adds multimodal
-encoder budgets, LoRA, structured output, asynchronous KV loads (``WAITING_FOR_REMOTE_KVS``) and pipeline
-parallelism. With async scheduling (v0.33.0's default on a GPU; off on a CPU, in vLLM and here, unless asked) the
-subclass :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` plans step N+1 while step N runs; the
+``update_from_output``, ``update_draft_token_ids``, ``finish_requests``, ``reset_prefix_cache``, and for KV transfer
+``_free_request``, ``_update_from_kv_xfer_finished``, ``_handle_failed_recving``, ``_handle_invalid_blocks``). vLLM
+adds multimodal encoder budgets, LoRA, structured output, asynchronous KV loads (``WAITING_FOR_REMOTE_KVS``) and
+pipeline parallelism. With async scheduling (v0.33.0's default on a GPU; off on a CPU, in vLLM and here, unless asked)
+the subclass :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` plans step N+1 while step N runs; the
 placeholder terms below (``num_output_placeholders``) are 0 without it, and a request moved back while a step is in
 flight for it (a preemption, a failed KV load) has that step's output dropped as stale when it comes back.
 """
@@ -640,3 +640,23 @@ class Scheduler:
             if request is None or request.is_finished() or request.num_computed_tokens < request.num_tokens - 1:
                 continue
             request.spec_token_ids = list(draft)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block (new weights make the cached K/V stale). ``False`` while a request holds blocks;
+        with ``reset_running_requests``, every running request is preempted first, so the reset succeeds, and each
+        recomputes when it resumes (vLLM v0.33.0: ``vllm/v1/core/sched/scheduler.py:Scheduler.reset_prefix_cache``).
+
+        The runner still holds those requests in its batch. The next plan resumes them, as if none had run in the step
+        before: it resends their tokens, and the runner, which takes a resumed request out of its slot, adds each back
+        whole."""
+        if reset_running_requests:
+            # Last first: each goes to the front of the waiting queue, so they come back in running order.
+            while self.running:
+                self._preempt_request(self.running.pop())
+            self.prev_step_scheduled_req_ids = set()
+        reset = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not reset:
+            raise RuntimeError(f"the prefix cache could not be reset with every running request preempted: the "
+                               f"finished requests {sorted(self.pending_kv_sends)} hold blocks while a connector "
+                               f"sends their K/V")
+        return reset

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from minillm.engine.parts import PART_NAMES, EngineParts
-from minillm.course.exercises.check import _compare
+from minillm.course.exercises.check import _compare, private_copy
 from minillm.course.exercises.parts import PART_SOURCES, LearnerParts
 from minillm.course.exercises.tripwire import DelegationError, guard
 
@@ -92,8 +92,11 @@ def _guarded(learner: EngineParts, reference: EngineParts, package_parts: Iterab
 class PartChecker:
     """Wraps a learner's :class:`EngineParts` so that every call also runs the reference part on the same inputs.
 
-    Stateful parts (block allocation, freeing, the scheduler, the stop check) get deep copies of their inputs for the
-    reference, so both start from the same state; results and the state afterwards are compared.
+    The learner's part runs first, on the engine's own inputs, and what it returned and left behind is taken; only
+    then the reference part runs, on a copy of the inputs made before the learner's part ran (stateful parts --
+    block allocation, freeing, the scheduler, the stop check -- get deep copies of their state), so both start from
+    the same inputs and no reference result exists while the learner's code runs. Results and the state afterwards
+    are compared.
 
     Attributes:
         step: the engine step being run (the scheduler's ``schedule()`` calls, from 1).
@@ -160,25 +163,29 @@ class PartChecker:
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int) -> torch.Tensor:
         from minillm.attention.reference import reference_attention
 
+        ref_q, ref_k, ref_v = private_copy((q, k, v))
         got = self._run("attention", self.learner.attention or reference_attention, q, k, v, ctx_len)
-        want = (self.reference.attention or reference_attention)(q, k, v, ctx_len)
-        self._same("attention", f"out for a chunk of {q.shape[0]} tokens after {ctx_len} cached ones", got, want)
+        taken = private_copy(got)
+        want = (self.reference.attention or reference_attention)(ref_q, ref_k, ref_v, ctx_len)
+        self._same("attention", f"out for a chunk of {q.shape[0]} tokens after {ctx_len} cached ones", taken, want)
         return got
 
     def _allocate_slots(self, pool: Any, req_blocks: list, num_computed: int, num_new: int, block_size: int):
         ref_pool, ref_blocks = copy.deepcopy((pool, req_blocks))
-        want = self.reference.allocate_slots(ref_pool, ref_blocks, num_computed, num_new, block_size)
+        what = f"(request with {len(req_blocks)} blocks, {num_computed} computed + {num_new} new)"
         got = self._run("allocate_slots", self.learner.allocate_slots, pool, req_blocks, num_computed, num_new,
                         block_size)
-        what = f"(request with {len(ref_blocks) - len(want or [])} blocks, {num_computed} computed + {num_new} new)"
-        self._same("allocate_slots", f"returned block ids {what}", _ids(got), _ids(want))
-        self._same("allocate_slots", f"the request's block ids afterwards {what}", _ids(req_blocks), _ids(ref_blocks))
-        self._same("allocate_slots", "the free queue afterwards", _queue(pool), _queue(ref_pool))
+        got_ids, blocks_after, queue_after = _ids(got), _ids(req_blocks), _queue(pool)
+        want = self.reference.allocate_slots(ref_pool, ref_blocks, num_computed, num_new, block_size)
+        self._same("allocate_slots", f"returned block ids {what}", got_ids, _ids(want))
+        self._same("allocate_slots", f"the request's block ids afterwards {what}", blocks_after, _ids(ref_blocks))
+        self._same("allocate_slots", "the free queue afterwards", queue_after, _queue(ref_pool))
         return got
 
     def _block_hashes(self, token_ids: Sequence[int], block_size: int) -> list:
-        got = self._run("block_hashes", self.learner.block_hashes, token_ids, block_size)
-        want = self.reference.block_hashes(token_ids, block_size)
+        ref_token_ids = list(token_ids)
+        got = list(self._run("block_hashes", self.learner.block_hashes, token_ids, block_size))
+        want = self.reference.block_hashes(ref_token_ids, block_size)
         if list(got) != list(want):
             first = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
             raise PartMismatch("block_hashes", self.step, f"hashes of {len(token_ids)} tokens",
@@ -188,40 +195,46 @@ class PartChecker:
         return got
 
     def _num_cached_tokens(self, block_hashes: Sequence[Any], num_tokens: int, block_size: int, cached: Any) -> int:
+        ref_hashes, ref_cached = list(block_hashes), copy.copy(cached)  # the reference only looks the hashes up
         got = self._run("num_cached_tokens", self.learner.num_cached_tokens, block_hashes, num_tokens, block_size,
                         cached)
-        want = self.reference.num_cached_tokens(block_hashes, num_tokens, block_size, cached)
+        want = self.reference.num_cached_tokens(ref_hashes, num_tokens, block_size, ref_cached)
         self._same("num_cached_tokens", f"cached tokens of a {num_tokens}-token request", got, want)
         return got
 
     def _free(self, pool: Any, req_blocks: Sequence[Any]) -> None:
         ref_pool, ref_blocks = copy.deepcopy((pool, list(req_blocks)))
-        self.reference.free(ref_pool, ref_blocks)
         self._run("free", self.learner.free, pool, req_blocks)
-        self._same("free", f"the free queue after freeing blocks {_ids(req_blocks)}", _queue(pool), _queue(ref_pool))
-        self._same("free", "ref_cnt of every block", [b.ref_cnt for b in pool.blocks],
-                   [b.ref_cnt for b in ref_pool.blocks])
+        queue_after, ref_cnts_after = _queue(pool), [b.ref_cnt for b in pool.blocks]
+        self.reference.free(ref_pool, ref_blocks)
+        self._same("free", f"the free queue after freeing blocks {_ids(req_blocks)}", queue_after, _queue(ref_pool))
+        self._same("free", "ref_cnt of every block", ref_cnts_after, [b.ref_cnt for b in ref_pool.blocks])
 
     def _top_k_top_p(self, logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        ref_logits, ref_k, ref_p = private_copy((logits, k, p))
         got = self._run("top_k_top_p", self.learner.top_k_top_p, logits, k, p)
-        want = self.reference.top_k_top_p(logits, k, p)
-        self._same("top_k_top_p", f"masked logits (k={k.tolist()}, p={[round(x, 3) for x in p.tolist()]})", got,
-                   want)
+        taken = private_copy(got)
+        want = self.reference.top_k_top_p(ref_logits, ref_k, ref_p)
+        self._same("top_k_top_p", f"masked logits (k={ref_k.tolist()}, p={[round(x, 3) for x in ref_p.tolist()]})",
+                   taken, want)
         return got
 
     def _check_stop(self, request: Any, max_model_len: int) -> bool:
         ref_request = copy.deepcopy(request)
-        want = self.reference.check_stop(ref_request, max_model_len)
         got = self._run("check_stop", self.learner.check_stop, request, max_model_len)
+        finished, status, stop_reason = bool(got), request.status.name, copy.copy(request.stop_reason)
+        want = self.reference.check_stop(ref_request, max_model_len)
         what = f"request {request.request_id!r} after output token {request.output_token_ids[-1]}"
-        self._same("check_stop", f"finished? for {what}", bool(got), bool(want))
-        self._same("check_stop", f"status of {what}", request.status.name, ref_request.status.name)
-        self._same("check_stop", f"stop_reason of {what}", request.stop_reason, ref_request.stop_reason)
+        self._same("check_stop", f"finished? for {what}", finished, bool(want))
+        self._same("check_stop", f"status of {what}", status, ref_request.status.name)
+        self._same("check_stop", f"stop_reason of {what}", stop_reason, ref_request.stop_reason)
         return got
 
     def _prepare_inputs(self, so: Any, requests: dict, block_size: int, device: Any):
-        want = self.reference.prepare_inputs(so, requests, block_size, device)
-        got = self._run("prepare_inputs", self.learner.prepare_inputs, so, requests, block_size, device)
+        ref_so, ref_requests = copy.deepcopy((so, requests))
+        returned = self._run("prepare_inputs", self.learner.prepare_inputs, so, requests, block_size, device)
+        got = private_copy(returned)
+        want = self.reference.prepare_inputs(ref_so, ref_requests, block_size, device)
         self._same("prepare_inputs", "req_ids", list(got.req_ids), list(want.req_ids))
         for field in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table", "slot_mapping",
                       "logits_indices"):
@@ -229,13 +242,14 @@ class PartChecker:
                        getattr(want, field).to(torch.int64))
         self._same("prepare_inputs", "discard_request_mask", np.asarray(got.discard_request_mask, dtype=bool).tolist(),
                    want.discard_request_mask.tolist())
-        return got
+        return returned
 
     def _scheduler_cls(self) -> type:
         checker, learner_cls, reference_cls = self, self.learner.scheduler_cls, self.reference.scheduler_cls
 
         class CheckedScheduler(learner_cls):  # type: ignore[valid-type, misc]
-            """The learner's scheduler; each ``schedule()`` also runs the reference scheduler on a copy of it."""
+            """The learner's scheduler; each ``schedule()`` also runs the reference scheduler on a copy of it, made
+            before and run after the learner's."""
 
             def add_request(self, request):  # noqa: ANN001, ANN202
                 checker.added.append((request.request_id, list(request.prompt_token_ids)))
@@ -249,7 +263,6 @@ class PartChecker:
                 ref.check_stop_fn = checker.reference.check_stop
                 for name, fn in checker.reference.kv_cache_fns().items():
                     setattr(ref.kv_cache_manager, name, fn)
-                want = ref.schedule()
                 checker.calls["scheduler_cls"] += 1
                 try:
                     got = super().schedule()
@@ -261,6 +274,7 @@ class PartChecker:
                 except Exception as e:  # noqa: BLE001
                     raise PartMismatch("scheduler_cls", checker.step, "raised", f"{type(e).__name__}: {e}",
                                        label=checker.label) from e
+                want = ref.schedule()  # the reference, on the copy made before the learner's schedule() ran
                 checker._compare_schedules(got, want, self, ref)
                 checker.trace.append((dict(got.num_scheduled_tokens), set(got.preempted_req_ids), before))
                 return got
@@ -425,6 +439,7 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
     if not isinstance(tokens, (list, tuple)) or len(tokens) != len(prompts):
         raise AssertionError(f"run_engine must return one list of token ids per prompt ({len(prompts)}), got "
                              f"{type(tokens).__name__} of length {len(tokens) if hasattr(tokens, '__len__') else '?'}")
+    tokens = [list(t) for t in tokens]  # taken before transformers' reference runs
 
     expected: list[list[int] | None] = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):

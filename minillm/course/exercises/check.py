@@ -1,6 +1,7 @@
 """Compare a learner's function with the reference on many cases, and say exactly which case differs."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -13,6 +14,24 @@ def _describe(x: Any) -> str:
     if isinstance(x, (list, tuple)) and len(x) > 8:
         return f"{type(x).__name__} of {len(x)}"
     return repr(x)
+
+
+def private_copy(x: Any) -> Any:
+    """A deep copy of ``x`` that shares the ``torch.nn.Module`` objects in it (a model's layers are not inputs to
+    copy, and copying them per case would cost their weights' memory). The learner's answer gets one such copy and
+    the reference another, so neither sees what the other wrote into its inputs, and what the answer returned is
+    taken before the reference runs."""
+    memo: dict[int, Any] = {}
+    stack = [x]
+    while stack:   # find the modules inside lists, tuples and dicts (the shapes cases come in)
+        item = stack.pop()
+        if isinstance(item, torch.nn.Module):
+            memo[id(item)] = item
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return copy.deepcopy(x, memo)
 
 
 def _compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
@@ -51,7 +70,7 @@ def _compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
 def check_cases(learner: Callable[..., Any], reference: Callable[..., Any], cases: Iterable[dict[str, Any]],
                 atol: float = 1e-5, rtol: float = 1e-5, name: str = "your function",
                 exercise: str | None = None) -> int:
-    """Call ``learner(**case)`` and ``reference(**case)`` for every case; raise ``AssertionError`` at the first
+    """Call ``learner(**case)``, then ``reference(**case)``, for every case; raise ``AssertionError`` at the first
     difference, naming the case. Returns the number of cases checked (and prints it).
 
     With ``exercise`` ("2.1"), the learner runs under :func:`~minillm.course.exercises.tripwire.guard`: an answer that calls
@@ -64,9 +83,7 @@ def check_cases(learner: Callable[..., Any], reference: Callable[..., Any], case
         learner = guard(exercise, learner)
     n = 0
     for case in cases:
-        want = reference(**case)
-        got = learner(**case)
-        msg = _compare(got, want, atol, rtol)
+        msg = _check_case(learner, reference, case, atol, rtol)
         if msg:
             args = ", ".join(f"{k}={_describe(v)}" for k, v in case.items())
             raise AssertionError(f"{name} differs from the reference for ({args}): {msg}")
@@ -75,6 +92,16 @@ def check_cases(learner: Callable[..., Any], reference: Callable[..., Any], case
         raise AssertionError("no cases were checked")
     print(f"All {n} cases agree with the reference.")
     return n
+
+
+def _check_case(learner: Callable[..., Any], reference: Callable[..., Any], case: dict[str, Any], atol: float,
+                rtol: float) -> str | None:
+    """One case, in the order that keeps the reference out of the answer's reach: the answer on a copy of the case,
+    its result copied, then the reference on a fresh copy. A function of its own, so that no reference result of an
+    earlier case is a local of the frame the next answer is called from."""
+    got = private_copy(learner(**private_copy(case)))
+    want = reference(**private_copy(case))
+    return _compare(got, want, atol, rtol)
 
 
 def watch_forward(module: Any, fn: Callable[[tuple[Any, ...]], Any]) -> Any:

@@ -16,8 +16,10 @@ The runs (:data:`SCENARIOS`) make the scheduler go through every case: new reque
 tokens, chunks of 5), n-gram drafts (one of them on a request that ``condense`` moves), requests finishing mid-batch
 (holes that ``condense`` fills), preemption and resumption (KV caches of 19 and 21 usable blocks of 4 tokens), a
 running request left out by the budget, a request aborted and sent again under the same id (finished and new in one
-plan), and, with async scheduling, a request preempted while a step was in flight for it, whose tokens the scheduler
-resends without that step's token.
+plan), with async scheduling, a request preempted while a step was in flight for it, whose tokens the scheduler
+resends without that step's token, a failed KV load, after which the scheduler resends the tokens of a request
+that still holds its slot, and every running request preempted between two steps (:data:`RESETS`), so that the next
+plan resumes requests that still hold their slots.
 """
 from __future__ import annotations
 
@@ -85,6 +87,13 @@ _PROMPTS = {"a": [5, 9, 17] * 7, "b": list(range(60, 81)), "c": [5, 9, 17] * 7 +
 _FIRST = [("a", _PROMPTS["a"], _greedy(10)), ("b", _PROMPTS["b"], _seeded(5, 10)), ("c", _PROMPTS["c"], _greedy(8)),
           ("d", _PROMPTS["d"], _seeded(7, 6)), ("e", _PROMPTS["e"], _greedy(4))]
 
+# "b"'s prompt is promised by a KV connector whose load fails (ch10/failed_load.py): the scheduler recomputes it in the
+# blocks it holds, and resends its tokens to the slot it keeps in the runner's batch. Then, between two steps, every
+# running request is preempted (RESETS): the next plan resumes them while they still hold their slots.
+_FAILED_LOAD = {"kv_connector": "FailedLoadConnector", "kv_role": "kv_consumer",
+                "kv_connector_module_path": "minillm.course.exercises.ch10.failed_load",
+                "kv_connector_extra_config": {"fail_load": ["b"]}}
+
 # name -> (engine arguments, {turn: [(id, prompt, params)]}, {turn: [ids aborted before it]}, async scheduling); a
 # turn is one step of a synchronous core.
 # "a" and "c" repeat a pattern (n-gram drafts; "c" also hits "a"'s blocks in the prefix cache); the victim of the abort
@@ -103,11 +112,19 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[int, list], dict[int, list[str]]
     "async scheduling, 11 blocks": (
         dict(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64, max_model_len=40),
         {0: [("a", list(range(15)), _greedy(16)), ("b", list(range(100, 115)), _seeded(3, 16))]}, {}, True),
+    "a failed KV load, then every request preempted": (
+        dict(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64, max_model_len=40,
+             kv_transfer_config=_FAILED_LOAD),
+        {0: [("a", list(range(10, 25)), _greedy(12))], 2: [("b", list(range(40, 53)), _seeded(4, 12))]}, {}, False),
 }
+# name -> the turns before which EngineCore.reset_prefix_cache(reset_running_requests=True) preempts every running
+# request (vLLM's reset after new weights): the only way a request resumes in the plan right after one it ran in.
+RESETS: dict[str, tuple[int, ...]] = {"a failed KV load, then every request preempted": (6,)}
 
 
 def record_plans(model: LlamaForCausalLM, name: str, engine_args: dict[str, Any], arrivals: dict[int, list],
-                 aborts: dict[int, list[str]], async_scheduling: bool = False) -> Recording:
+                 aborts: dict[int, list[str]], async_scheduling: bool = False,
+                 resets: tuple[int, ...] = ()) -> Recording:
     """Run an :class:`EngineCore` on ``model`` and record every step's plan and sampled tokens, in the order the
     runner executes them.
 
@@ -116,6 +133,8 @@ def record_plans(model: LlamaForCausalLM, name: str, engine_args: dict[str, Any]
         arrivals: turn -> ``[(request id, prompt token ids, SamplingParams)]`` added before that turn.
         aborts: turn -> request ids aborted before that turn (before its arrivals: an id may come back at once).
         async_scheduling: step with the batch queue (a turn then plans a step or takes an output, or both).
+        resets: turns before which every running request is preempted (``reset_prefix_cache(reset_running_requests
+            =True)``), after that turn's aborts and before its arrivals.
     """
     args = EngineArgs(**engine_args)
     core = EngineCore(model, args, async_scheduling=async_scheduling)
@@ -135,6 +154,8 @@ def record_plans(model: LlamaForCausalLM, name: str, engine_args: dict[str, Any]
     try:
         while pending or core.has_requests():
             core.abort_requests(aborts.pop(turn, []))
+            if turn in resets:
+                core.reset_prefix_cache(reset_running_requests=True)
             for rid, prompt, params in pending.pop(turn, []):
                 core.add_request(Request(rid, prompt, params))
             core.step_fn()
@@ -257,6 +278,16 @@ def _states_problem(mine: dict[str, CachedRequestState], ref: dict[str, CachedRe
     return None
 
 
+def _resumed_in_slot(so: SchedulerOutput, slots_before: dict[str, int]) -> str | None:
+    """The explanation for requests this plan resumes while they still hold a slot, or ``None`` if it has none."""
+    ids = sorted(so.scheduled_cached_reqs.resumed_req_ids & slots_before.keys())
+    if not ids:
+        return None
+    return (f"{ids} resume in this plan while they still hold their slots (every running request was preempted "
+            f"between this step and the one before): a resumed request leaves the batch with the unscheduled ones "
+            f"and comes back whole from its state (batch.add_request), as its old blocks and tokens are gone")
+
+
 def _slot_summary(batch: InputBatch) -> list[str | None]:
     return list(batch.req_ids)
 
@@ -284,6 +315,10 @@ def _batch_problem(mine: InputBatch, ref: InputBatch, so: SchedulerOutput,
                 f"additions are done, call batch.condense(), so the requests sit in slots 0 .. num_reqs - 1 "
                 f"(the step's flat batch is gathered from slots 0 .. num_reqs - 1)")
     if _slot_summary(mine) != _slot_summary(ref):
+        resumed = _resumed_in_slot(so, slots_before)
+        if resumed and any(mine.req_id_to_index.get(r) == i for r, i in slots_before.items()
+                           if r in so.scheduled_cached_reqs.resumed_req_ids):
+            return f"the slots hold {_slot_summary(mine)}, the reference's {_slot_summary(ref)}: {resumed}"
         return (f"the slots hold {_slot_summary(mine)}, the reference's {_slot_summary(ref)} (before the step: "
                 f"{slots_before}). The order is vLLM's: remove the finished requests, then the ones not scheduled "
                 f"now (resumed ones too); add the new requests in scheduled_new_reqs order, then the cached ones "
@@ -308,6 +343,9 @@ def _batch_problem(mine: InputBatch, ref: InputBatch, so: SchedulerOutput,
         got_k = int(mine.block_table.num_blocks_per_row[slot])
         got_row = mine.block_table.block_table[slot, :got_k].tolist()
         if got_row != ref.block_table.block_table[slot, :k].tolist():
+            if rid in so.scheduled_cached_reqs.resumed_req_ids and rid in slots_before:
+                return (f"slot {slot} ({rid!r}): its block-table row holds {got_row}, expected "
+                        f"{ref.block_table.block_table[slot, :k].tolist()}: {_resumed_in_slot(so, slots_before)}")
             return (f"slot {slot} ({rid!r}): its block-table row holds {got_row}, expected "
                     f"{ref.block_table.block_table[slot, :k].tolist()}: a request that stays in its slot gets its new "
                     f"blocks appended to its row (batch.block_table.append_row(new_block_ids, slot))")
@@ -326,10 +364,15 @@ def _count(counts: dict[str, int], so: SchedulerOutput, previous: set[str], slot
            ref: InputBatch) -> None:
     cached = so.scheduled_cached_reqs
     left_out = previous - set(so.num_scheduled_tokens) - so.finished_req_ids - so.preempted_req_ids
+    # Tokens resent to a request that kept its slot (a failed KV load rolled it back): written over the slot's.
+    resent_in_slot = [r for r in cached.all_token_ids if r in slots_before and r not in cached.resumed_req_ids]
+    # Resumed in the plan right after one they ran in (every running request was preempted between the two).
+    resumed_in_slot = [r for r in cached.resumed_req_ids if r in slots_before]
     for key, n in (("new", len(so.scheduled_new_reqs)), ("finished", len(so.finished_req_ids)),
                    ("preempted", len(so.preempted_req_ids)), ("resumed", len(cached.resumed_req_ids)),
                    ("left out by the budget", len(left_out)), ("with drafts", len(so.scheduled_spec_decode_tokens)),
-                   ("moved by condense", sum(slots_before.get(r, i) != i for r, i in ref.req_id_to_index.items()))):
+                   ("moved by condense", sum(slots_before.get(r, i) != i for r, i in ref.req_id_to_index.items())),
+                   ("resent to their slot", len(resent_in_slot)), ("resumed from their slot", len(resumed_in_slot))):
         counts[key] = counts.get(key, 0) + n
 
 
@@ -348,13 +391,17 @@ def replay(update_states: UpdateStates, recording: Recording) -> dict[str, int]:
         where = f"In run {recording.name!r}, step {k} of {total} ({describe_plan(ref_so)})"
         slots_before = dict(ref_batch.req_id_to_index)
         blocks_before = {rid: list(s.block_ids) for rid, s in ref_reqs.items()}
-        reference_update_states(ref_batch, ref_reqs, ref_so)
+        # The learner's update first: the reference's result of this step does not exist while it runs.
         try:
             update_states(mine_batch, mine_reqs, mine_so)
         except (NotImplementedError, AssertionError):  # a stub, or a call of the package's own update
             raise
         except Exception as e:  # a crash is a wrong answer: say where, and what the plan held
-            hint = _states_problem(mine_reqs, ref_reqs, ref_so, blocks_before)
+            reference_update_states(ref_batch, ref_reqs, ref_so)
+            kept = [r for r in ref_so.scheduled_cached_reqs.resumed_req_ids
+                    if r in slots_before and mine_batch.req_id_to_index.get(r) == slots_before[r]]
+            hint = (_resumed_in_slot(ref_so, slots_before) if kept else None) or _states_problem(
+                mine_reqs, ref_reqs, ref_so, blocks_before)
             both = {n.req_id for n in ref_so.scheduled_new_reqs} & ref_so.finished_req_ids
             if both and "already in the batch" in str(e):
                 hint = (f"{sorted(both)} finished and is new in this same plan (aborted, then sent again under the "
@@ -362,6 +409,7 @@ def replay(update_states: UpdateStates, recording: Recording) -> dict[str, int]:
                         f"the new ones")
             raise AssertionError(f"{where}: your update_states raised {type(e).__name__}: {e}"
                                  + (f". {hint[0].upper()}{hint[1:]}" if hint else "")) from e
+        reference_update_states(ref_batch, ref_reqs, ref_so)
         problem = (_states_problem(mine_reqs, ref_reqs, ref_so, blocks_before)
                    or _batch_problem(mine_batch, ref_batch, ref_so, slots_before))
         if problem:
@@ -380,7 +428,7 @@ def check_update_states(update_states: UpdateStates, model: LlamaForCausalLM | N
 
     Returns:
         what the runs held, summed (steps, new, finished, preempted, resumed, left out by the budget, with drafts,
-        moved by condense); printed when ``verbose``.
+        moved by condense, resent to their slot, resumed from their slot); printed when ``verbose``.
     """
     from minillm.course.exercises.tripwire import guard
 
@@ -388,12 +436,14 @@ def check_update_states(update_states: UpdateStates, model: LlamaForCausalLM | N
     model = model if model is not None else tiny_llama()
     total: Counter[str] = Counter()
     for name, (engine_args, arrivals, aborts, async_scheduling) in SCENARIOS.items():
-        total.update(replay(learner, record_plans(model, name, engine_args, arrivals, aborts, async_scheduling)))
+        recording = record_plans(model, name, engine_args, arrivals, aborts, async_scheduling, RESETS.get(name, ()))
+        total.update(replay(learner, recording))
     if verbose:
         print(f"Your update_states agrees with ModelRunner._update_states after each of the {total['steps']} steps "
               f"of {len(SCENARIOS)} engine runs. Their plans held {total['new']} new requests, {total['finished']} "
               f"finished, {total['preempted']} preempted, {total['resumed']} resumed, "
-              f"{total['left out by the budget']} left out by the budget and {total['with drafts']} with draft "
-              f"tokens; condense moved "
+              f"{total['left out by the budget']} left out by the budget, {total['with drafts']} with draft tokens "
+              f"and {total['resent to their slot']} whose tokens were resent to the slot they kept; "
+              f"{total['resumed from their slot']} resumed while still in a slot; condense moved "
               f"{total['moved by condense']} requests.")
     return total

@@ -3,12 +3,13 @@
 Three :class:`~minillm.engine.core.EngineCore` run each workload of :func:`scenarios` on the tiny model: a synchronous
 one (the tokens every engine must give), one with async scheduling and the package's ``AsyncScheduler`` (the
 reference), and one with async scheduling and the learner's ``Scheduler`` subclass. The two async cores take their
-turns (``step_with_batch_queue``) in lockstep; a recorder on each scheduler notes every ``schedule()`` and every
-``update_from_output()`` with each request's ``num_computed_tokens``, ``num_output_placeholders``, token count and
-status right after it. The learner's events must equal the reference's one by one, and its tokens the synchronous
-engine's exactly. When a placeholder count differs, the message says what the step did to that request (a prefill
-chunk that samples nothing, the last chunk of a prompt, a decode, a token that came back, a stop with a step still in
-flight) and so which rule was missed.
+turns (``step_with_batch_queue``) in lockstep, the learner's first in each turn, and the synchronous core runs once
+they are done; a recorder on each scheduler notes every ``schedule()`` and every ``update_from_output()`` with each
+request's ``num_computed_tokens``, ``num_output_placeholders``, token count and status right after it. The
+learner's events must equal the reference's one by one, and its tokens the synchronous engine's exactly. When a
+placeholder count differs, the message says what the step did to that request (a prefill chunk that samples nothing,
+the last chunk of a prompt, a decode, a token that came back, a stop with a step still in flight) and so which rule
+was missed.
 
 The scenarios cover a prompt prefilled in chunks of 5 (four chunks that sample nothing), a request whose only token is
 sampled by its prefill (``max_tokens=1``: no step may follow it), ``max_tokens`` reached while a step is in flight, a
@@ -277,7 +278,6 @@ def run_lockstep(scenario: Scenario, learner_cls: type, model: LlamaForCausalLM,
     through (steps, placeholders counted, chunks that sampled nothing, ...)."""
     args = EngineArgs(**scenario.engine_args)
     sync, ref, mine = _cores(model, args, learner_cls, pool)
-    want = _run_sync(sync, scenario.requests)
     ref_requests: dict[str, Request] = {}
     mine_requests: dict[str, Request] = {}
     ref_rec, mine_rec = Recorder(ref, ref_requests), Recorder(mine, mine_requests)
@@ -295,12 +295,13 @@ def run_lockstep(scenario: Scenario, learner_cls: type, model: LlamaForCausalLM,
                 table[rid] = Request(rid, prompt, params)
                 core.add_request(table[rid])
             before[rid] = View.of(ref_requests[rid])
-        if ref.has_requests():
-            ref.step_with_batch_queue()
+        # The learner's turn first: the reference's events of this turn do not exist while its code runs.
         if mine.has_requests():
             outputs, _ = _learner_turn(mine, where)
             for out in outputs.outputs if outputs is not None else ():
                 got[out.request_id] += out.new_token_ids
+        if ref.has_requests():
+            ref.step_with_batch_queue()
         for i in range(compared, max(len(ref_rec.events), len(mine_rec.events))):
             if i >= len(mine_rec.events):
                 raise AssertionError(f"{where}: the reference's engine made {ref_rec.events[i].describe()}, "
@@ -317,6 +318,7 @@ def run_lockstep(scenario: Scenario, learner_cls: type, model: LlamaForCausalLM,
         turn += 1
         if turn > MAX_TURNS:
             raise AssertionError(f"In scenario {scenario.name!r}: no progress after {MAX_TURNS} turns")
+    want = _run_sync(sync, scenario.requests)  # the tokens every engine must give, once the learner's are in
     for _, rid, _, params in scenario.requests:
         if got[rid] != want[rid]:
             raise AssertionError(f"In scenario {scenario.name!r}, your engine generated {got[rid]} for {rid!r}, the "

@@ -49,8 +49,8 @@ import numpy as np
 import torch
 
 from minillm.core.sched.output import SchedulerOutput
-from minillm.course.exercises.ch10.persistent_batch import (SCENARIOS, Recording, apply_sampled, describe_plan,
-                                                     record_plans, reference_update_states)
+from minillm.course.exercises.ch10.persistent_batch import (RESETS, SCENARIOS, Recording, apply_sampled,
+                                                     describe_plan, record_plans, reference_update_states)
 from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling_params import SamplingParams
@@ -384,10 +384,8 @@ def replay(reorder: Reorder, recording: Recording, threshold: int) -> dict[str, 
         where = (f"In run {recording.name!r} with decode_threshold={threshold}, step {k} of {total} "
                  f"({describe_plan(so)})")
         before = copy.deepcopy(batch)
-        want_inputs = _step_inputs(before, so) if so.total_num_scheduled_tokens else None
-        with _calls_on(batch) as ref_calls:
-            want = reorder_batch_to_split_decodes_and_prefills(batch, so, threshold)
         mine = copy.deepcopy(before)
+        # The learner's function first: the reference's reorder of this step does not exist while it runs.
         with _calls_on(mine) as calls:
             try:
                 got = reorder(mine, pickle.loads(step.plan), threshold)  # a plan of its own: nothing shared
@@ -396,6 +394,9 @@ def replay(reorder: Reorder, recording: Recording, threshold: int) -> dict[str, 
             except Exception as e:  # a crash is a wrong answer: say where
                 raise AssertionError(f"{where}: your function raised {type(e).__name__}: {e} (slots before: "
                                      f"{list(before.req_ids)})") from e
+        want_inputs = _step_inputs(before, so) if so.total_num_scheduled_tokens else None
+        with _calls_on(batch) as ref_calls:
+            want = reorder_batch_to_split_decodes_and_prefills(batch, so, threshold)
         problem = (_structure_problem(mine, before) or _rebuild_problem(calls) or _data_problem(mine, before)
                    or _order_problem(mine, so, threshold) or _replay_problem(mine, before, calls))
         swaps = sum(name == "swap_states" for name, _ in calls)
@@ -442,7 +443,7 @@ def check_reorder_batch(reorder: Reorder, model: LlamaForCausalLM | None = None,
     total: dict[str, int] = {"steps": 0}
     runs = {**SCENARIOS, **REORDER_SCENARIOS}
     for name, (engine_args, arrivals, aborts, async_scheduling) in runs.items():
-        recording = record_plans(model, name, engine_args, arrivals, aborts, async_scheduling)
+        recording = record_plans(model, name, engine_args, arrivals, aborts, async_scheduling, RESETS.get(name, ()))
         total["steps"] += len(recording.steps)
         for threshold in THRESHOLDS:
             for key, n in replay(learner, recording, threshold).items():

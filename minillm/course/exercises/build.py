@@ -12,6 +12,13 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 _TITLE = re.compile(r"^#\s*((?:Exercise\s+\d+\.\d+|Challenge\s+\d+)\s*:.*)$")
 _NUMBER = re.compile(r"^#\s*(?:Exercise\s+(\d+\.\d+)|Challenge\s+(\d+))\s*:")
 
+def answer_number(source: str) -> str | None:
+    """The exercise an answer cell answers, from its first line: ``"2.2"`` for ``# Exercise 2.2: ...``, ``"C2"`` for
+    ``# Challenge 2: ...``; ``None`` for any other cell."""
+    m = _NUMBER.match(source)
+    return None if m is None else m.group(1) or f"C{m.group(2)}"
+
+
 # The cell, after a notebook's opening, that says what an answer may import: its id (stable across builds) and the
 # words a solution notebook's own such cell would carry (then none is added).
 ALLOWED_IMPORTS_CELL_ID = "allowed-imports"
@@ -56,9 +63,9 @@ def notebook_numbers(nb: nbformat.NotebookNode) -> list[str]:
     ``# Challenge 2: ...``."""
     found = []
     for cell in nb.cells:
-        m = _NUMBER.match(cell.source) if cell.cell_type == "code" else None
-        if m and (BEGIN in cell.source or "raise NotImplementedError" in cell.source):
-            found.append(m.group(1) or f"C{m.group(2)}")
+        number = answer_number(cell.source) if cell.cell_type == "code" else None
+        if number and (BEGIN in cell.source or "raise NotImplementedError" in cell.source):
+            found.append(number)
     return found
 
 

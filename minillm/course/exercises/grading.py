@@ -101,7 +101,7 @@ def _advance(*_: Any) -> None:
 def answer(index: int) -> None:
     """The answer cell at ``index`` of the plan: lint it, then run it in the answer's process after the cells
     before it, and bind the names it defines in the notebook's namespace as proxies."""
-    from minillm.course.exercises.lint import AnswerRefused, check_answer
+    from minillm.course.exercises.lint import AnswerRefused, check_answer, top_level_names
 
     cell = _PLAN[index]
     number, source = cell["exercise"], cell["source"]
@@ -109,7 +109,7 @@ def answer(index: int) -> None:
         check_answer(source, number)
     except AnswerRefused as e:
         _REFUSED[number] = e
-        for name in _defined_names(source):
+        for name in top_level_names(source):  # the names the check would look for
             _NAMESPACE[name] = RefusedAnswer(e)
         raise
     except SyntaxError:
@@ -127,24 +127,6 @@ def raise_if_refused(numbers: Iterable[str], learner: Any) -> None:
     for n in numbers:
         if n in _REFUSED:
             raise _REFUSED[n]
-
-
-def _defined_names(source: str) -> list[str]:
-    """The top-level names an answer defines (so the check can say why they are missing)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    names: list[str] = []
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.append(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.extend(t.id for t in targets if isinstance(t, ast.Name))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.extend((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
-    return names
 
 
 def _local_callable(obj: Any) -> bool:
@@ -514,18 +496,9 @@ class AnswerClient:
                     print(f"(the answer's process: cell {self.sent_cells - 1} raised {type(e).__name__}: {e})")
 
     def catch_up(self, index: int) -> None:
-        """Run in the answer's process the teacher's cells of the plan before ``index`` not run there yet."""
-        while self.sent_cells < index:
-            cell = self.plan[self.sent_cells]
-            self.sent_cells += 1
-            if cell["kind"] != "setup":
-                continue
-            try:
-                self.request(("run", f"<cell {self.sent_cells - 1}>", cell["source"]))
-            except remote.WireError:
-                raise
-            except Exception as e:  # noqa: BLE001 - shown, and the answer goes on as it would in a kernel
-                print(f"(the answer's process: cell {self.sent_cells - 1} raised {type(e).__name__}: {e})")
+        """Run in the answer's process the teacher's cells of the plan before ``index`` not run there yet, and count
+        the cell at ``index`` (the answer's, whose source :func:`answer` sends itself) as sent."""
+        self.catch_up_before(index)
         self.sent_cells = max(self.sent_cells, index + 1)
 
     def bind(self, names: Any, namespace: dict[str, Any]) -> None:

@@ -374,9 +374,6 @@ def guard(exercises: str | Iterable[str], learner: Any) -> Any:
     return guarded
 
 
-_ANSWER_TITLE = re.compile(r"^\s*#\s*(?:Exercise\s+(\d+\.\d+)|Challenge\s+(\d+))\s*:")
-
-
 def _lint_in_kernel(numbers: list[str]) -> None:
     """In a learner's kernel, lint the answer as grading will (:mod:`minillm.course.exercises.lint`), so a
     refused answer is refused here too, with the same message: the answer is the last cell run whose first line is
@@ -385,20 +382,20 @@ def _lint_in_kernel(numbers: list[str]) -> None:
     history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
     if not history:
         return
+    from minillm.course.exercises.build import answer_number
     from minillm.course.exercises.lint import check_answer
 
     for number in numbers:
         start = None
         for i in range(len(history) - 1, -1, -1):
-            m = _ANSWER_TITLE.match(history[i])
-            if m and (m.group(1) or f"C{m.group(2)}") == number:
+            if answer_number(history[i].lstrip()) == number:
                 start = i
                 break
         if start is None:
             continue
         region = [history[start]]
         for src in history[start + 1:]:
-            if src.lstrip().startswith("# Check") or _ANSWER_TITLE.match(src):
+            if src.lstrip().startswith("# Check") or answer_number(src.lstrip()):
                 break
             region.append(src)
         try:

@@ -128,7 +128,7 @@ _NOTEBOOK_MODULES = {"torch": "torch", "np": "numpy", "numpy": "numpy", "triton"
 RULES: dict[str, str] = {
     "magic": "no IPython magics or shell commands",
     "import": "import only from the allow-list",
-    "target": "build the exercise's part yourself",
+    "target": "the exercise asks you to write this yourself, not to call the package's part",  # the tripwire's words
     "builtin": "no exec, eval, open and their kin",
     "reflection": "no reflection",
     "special": "no special methods but __init__, __post_init__ and __repr__",

@@ -285,7 +285,7 @@ def has_chinese(text: str) -> bool:
     return re.search(f"[{CJK}]", text) is not None
 
 
-# ---- README parity -------------------------------------------------------------------------------------------
+# ---- README and docs pages: the English page and its Chinese twin -------------------------------------------------
 
 
 def fenced_blocks(markdown: str) -> list[str]:
@@ -332,12 +332,12 @@ def headings(markdown: str, level: int) -> list[str]:
 
 
 def course_table(markdown: str) -> list[tuple[str, tuple[str, ...]]]:
-    """The course table's rows as (chapter number, the backticked notebook names of its 2nd cell)."""
+    """The course table's rows as (chapter number, the notebooks its cells link to, in order)."""
     for table in table_rows(markdown):
         body = table[1:]
-        if body and body[0][0] == "00" and "`00_welcome`" in body[0][1]:
-            return [(row[0], tuple(re.findall(r"`([^`]+)`", row[1]))) for row in body]
-    raise AssertionError("no course table (a table whose first row is 00 | `00_welcome` | ...)")
+        if body and body[0][0] == "00" and "notebooks/00_welcome.ipynb" in " ".join(body[0]):
+            return [(row[0], tuple(re.findall(r"\]\(([^)]+\.ipynb)\)", " ".join(row)))) for row in body]
+    raise AssertionError("no course table (a table whose first row is 00 | [...](notebooks/00_welcome.ipynb) | ...)")
 
 
 def exercise_table(markdown: str) -> list[str]:

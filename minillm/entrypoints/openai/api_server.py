@@ -30,7 +30,7 @@ key (when one is set), 404 for an unknown model or route, 413 for a body over ``
 415 for a body not sent as ``application/json``, 503 once the engine has stopped, 500 if the engine failed. See
 :mod:`minillm.entrypoints.openai.serving_engine` and :mod:`minillm.entrypoints.openai.middleware`.
 
-Safety (README, "Serving safely"): it listens on 127.0.0.1 by default and then answers only requests whose ``Host``
+Safety (docs/serving.md): it listens on 127.0.0.1 by default and then answers only requests whose ``Host``
 is loopback (DNS rebinding); POST bodies must be JSON (no cross-origin "simple" POST from a web page); ``--api-key``
 (or ``$MINILLM_API_KEY``) requires ``Authorization: Bearer <key>`` on ``/v1``; tokenization runs in a worker
 thread, so a long prompt does not freeze the other clients; SIGTERM or Ctrl-C aborts the requests in flight and

@@ -20,8 +20,8 @@ html_title = "minillm · build an LLM inference engine like vLLM"
 extensions = ["myst_nb", "sphinx.ext.mathjax", "sphinx.ext.githubpages", "minillm_book"]  # githubpages: .nojekyll
 
 root_doc = "book/index"  # the English landing page; book/index.zh-CN.md is the Chinese one
-include_patterns = ["book/index.md", "book/index.zh-CN.md", "README.md", "README.zh-CN.md", "docs/**", "notebooks/**",
-                    "exercises/**"]
+include_patterns = ["book/index.md", "book/index.zh-CN.md", "README.md", "README.zh-CN.md", "CONTRIBUTING.md",
+                    "docs/**", "notebooks/**", "exercises/**"]
 exclude_patterns = ["**/.ipynb_checkpoints", ".venv", "build", ".git", "**/*.py", "**/*.json", "**/*.txt"]
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 
@@ -51,8 +51,9 @@ html_favicon = "_static/favicon.svg"
 html_copy_source = True  # the download button gives the notebook itself
 # The landing pages' `git clone` line names the repository where the build knows it (GitHub Actions sets
 # GITHUB_REPOSITORY; .github/workflows/book.yml builds there); elsewhere they say "clone this repository".
-minillm_repository_url = (f"{os.environ.get('GITHUB_SERVER_URL', 'https://github.com')}/{os.environ['GITHUB_REPOSITORY']}"
-                          if os.environ.get("GITHUB_REPOSITORY") else "")
+_github_repository = os.environ.get("GITHUB_REPOSITORY", "")
+minillm_repository_url = (f"{os.environ.get('GITHUB_SERVER_URL', 'https://github.com')}/{_github_repository}"
+                          if _github_repository else "")
 html_theme_options = {
     "home_page_in_toc": True,
     "show_navbar_depth": 1,

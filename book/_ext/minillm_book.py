@@ -12,6 +12,8 @@ repository are never touched, and after the build (``build-finished``):
   page Sphinx reads (``include_patterns`` in conf.py) that no toctree lists fails the build too (Sphinx's "document
   isn't included in any toctree", an error under ``-W``).
 - **Lesson → exercises.** Each lesson ends with a link to its exercise notebook; Sphinx's "Next" goes there too.
+- **Links to the rest of the repository.** A link to a markdown file or notebook that is not a page of the site
+  (``solutions/``, say) leads to a copy of the file (``offsite_links``); other files (``.py``) are MyST's downloads.
 - **Cross-notebook links.** ``NN_name.ipynb#cell-id=<id>`` is how the notebooks link into each other (JupyterLab
   scrolls to that cell). On the site the link becomes ``NN_name.ipynb#<slug>``, the anchor MyST gives the first
   heading of that cell, or the heading of that cell that the link text names after a ``§`` ("01 §Learner question
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import posixpath
 import re
 import shutil
@@ -64,7 +65,9 @@ LANDING_ZH = "book/index.zh-CN"
 CARDS_MARK = "<!-- chapter cards -->"
 REPOSITORY_MARK = {"en": "<the URL of this repository>", "zh-CN": "<本仓库的地址>"}
 GLOSSARY = "docs/glossary"
-CONTRIBUTOR_DOCS = ("docs/maintaining-the-glossary",)  # under "Contributors", not "Reference"
+CONTRIBUTOR_DOCS = ("CONTRIBUTING", "docs/maintaining-the-glossary")  # under "Contributors", not "Reference"
+# A markdown link to a page: the target of `offsite_links`.
+PAGE_LINK = re.compile(r"(?P<open>\]\()(?P<path>[^)\s#:]+\.(?:md|ipynb))(?:#[^)\s]*)?(?=[)\s])")
 
 # Pages with a version in the other language: page -> (its counterpart, the label of the switch).
 COUNTERPARTS = {LANDING: (LANDING_ZH, "中文"), LANDING_ZH: (LANDING, "English"),
@@ -74,7 +77,8 @@ PAGE_LANG = {"README.zh-CN": "zh-CN", LANDING_ZH: "zh-CN"}
 CARD_WORDS = {"en": ("Lesson", "Exercises", "Capstone exercise"), "zh-CN": ("课程", "练习", "综合项目练习")}
 
 WIDGET_NOTE = ("*The widget above is its stored picture: it is interactive in JupyterLab (`make lab`, then open "
-               "`{path}`).* 上图是这个 widget 保存下来的静态图，在 JupyterLab 里可以交互（`make lab`，然后打开 `{path}`）。")
+               "`{path}`).* 上图是这个 widget 保存下来的静态图，在 JupyterLab 里可以交互"
+               "（`make lab`，然后打开 `{path}`）。")
 EXERCISE_NOTE = ("> **Work on this exercise locally:** `make lab`, then open `{path}` in JupyterLab (the exercise "
                  "cells raise `NotImplementedError` until you write them; each check cell says what differs). "
                  "**在本地做这份练习：**`make lab`，然后在 JupyterLab 里打开 `{path}`。")
@@ -88,7 +92,7 @@ EXERCISE_LINK = ("```{{container}} minillm-next-exercise\n"
 
 def chapters(confdir: Path, docnames) -> tuple[list[dict], list[str]]:
     """The chapters in order, each book/chapters.toml's entry with ``lesson`` and ``exercise`` (docnames, or None),
-    and the problems found (a notebook whose number has no entry; an entry with no notebook)."""
+    and the problems found (a notebook whose number has no entry)."""
     table = tomllib.loads((Path(confdir) / "chapters.toml").read_text(encoding="utf-8"))["chapter"]
     by_number = {c["number"]: dict(c, lesson=None, exercise=None) for c in table}
     problems = []
@@ -102,10 +106,23 @@ def chapters(confdir: Path, docnames) -> tuple[list[dict], list[str]]:
                             "for the sidebar and the landing pages)")
         else:
             by_number[m.group(2)][kind] = doc
-    found = [c for c in by_number.values() if c["lesson"] or c["exercise"]]
-    problems += [f"book/chapters.toml: chapter {c['number']} has no notebook in notebooks/ or exercises/"
-                 for c in by_number.values() if not (c["lesson"] or c["exercise"])]
+    found = [c for c in by_number.values() if c["lesson"] or c["exercise"]]  # an entry without notebooks: skipped
     return sorted(found, key=lambda c: c["number"]), problems
+
+
+def offsite_links(text: str, docname: str, srcdir: Path, docnames) -> str:
+    """``text`` with each link to a markdown file or notebook of the repository that is not a page of the site
+    (``solutions/``, a README of a sub-folder) turned into a link to the file itself (MyST's ``path:``: the site
+    carries a copy), instead of a reference to a page that does not exist, which fails the build."""
+    here = posixpath.dirname(docname)
+
+    def fix(m: re.Match) -> str:
+        target = posixpath.normpath(posixpath.join(here, m.group("path")))
+        if target.startswith("..") or not (srcdir / target).is_file() or target.rsplit(".", 1)[0] in docnames:
+            return m.group(0)
+        return m.group("open") + "path:" + m.group("path")
+
+    return PAGE_LINK.sub(fix, text)
 
 
 def _rel(from_doc: str, to_doc: str, suffix: str) -> str:
@@ -160,8 +177,8 @@ def chapter_cards(found: list[dict], docname: str, lang: str) -> str:
 
 def _md_parser():
     from myst_parser.config.main import MdParserConfig
-    from myst_parser.parsers.mdit import create_md_parser
     from myst_parser.mdit_to_docutils.base import DocutilsRenderer
+    from myst_parser.parsers.mdit import create_md_parser
 
     return create_md_parser(MdParserConfig(), DocutilsRenderer)
 
@@ -230,9 +247,11 @@ def _markdown_cell(text: str, cell_id: str) -> dict:
     return {"cell_type": "markdown", "id": cell_id, "metadata": {}, "source": text}
 
 
-def transform_notebook(nb: dict, docname: str, srcdir: Path, exercise: str | None = None) -> tuple[dict, list[str]]:
+def transform_notebook(nb: dict, docname: str, srcdir: Path, exercise: str | None = None,
+                       docnames=None) -> tuple[dict, list[str]]:
     """The notebook as the site shows it, and the problems found (each one fails the build). ``exercise``: the
-    docname of a lesson's exercise notebook, linked from the lesson's end."""
+    docname of a lesson's exercise notebook, linked from the lesson's end; ``docnames``: the site's pages (links to
+    other files of the repository go to the file, :func:`offsite_links`)."""
     problems: list[str] = []
     rel_path = docname + ".ipynb"
     state = nb.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {})
@@ -266,6 +285,8 @@ def transform_notebook(nb: dict, docname: str, srcdir: Path, exercise: str | Non
         cell["source"] = src
         if cell["cell_type"] == "markdown":
             cell["source"] = CELL_LINK.sub(relink, src)
+            if docnames is not None:
+                cell["source"] = offsite_links(cell["source"], docname, srcdir, docnames)
         elif cell["cell_type"] == "code":
             cell["source"] = NBVAL_LINE.sub("", src)
         cells.append(cell)
@@ -327,13 +348,15 @@ def _source_read(app: Sphinx, docname: str, source: list[str]) -> None:
             text = text.replace(REPOSITORY_MARK[lang], app.config.minillm_repository_url)
         if docname == LANDING:
             text += toctrees(_chapters(app), app.env.found_docs)
-        source[0] = text
+        source[0] = offsite_links(text, docname, Path(app.srcdir), app.env.found_docs)
         return
     path = Path(app.env.doc2path(docname))
     if path.suffix != ".ipynb":
+        source[0] = offsite_links(source[0], docname, Path(app.srcdir), app.env.found_docs)
         return
     exercise = next((c["exercise"] for c in _chapters(app) if c["lesson"] == docname), None)
-    nb, problems = transform_notebook(json.loads(source[0]), docname, Path(app.srcdir), exercise)
+    nb, problems = transform_notebook(json.loads(source[0]), docname, Path(app.srcdir), exercise,
+                                      app.env.found_docs)
     for p in problems:
         logger.error(p, location=docname)
     app.env.minillm_book_problems = getattr(app.env, "minillm_book_problems", []) + problems

@@ -2,9 +2,11 @@
 
 The source directory is the repository root, so the notebooks' and READMEs' relative links work unchanged; only
 the files of ``include_patterns`` are read. Notebooks are never executed: the site shows their stored outputs.
-What is specific to this course (toctrees, cross-notebook links, widgets, exercise notes, the checks after the
-build) is in ``_ext/minillm_book.py``.
+The landing pages are book/index.md and book/index.zh-CN.md; the chapters' titles, in both languages, are in
+book/chapters.toml. What is specific to this course (toctrees and reading order, cross-notebook links, widgets,
+exercise notes, the checks after the build) is in ``_ext/minillm_book.py``.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -17,8 +19,9 @@ html_title = "minillm · build an LLM inference engine like vLLM"
 
 extensions = ["myst_nb", "sphinx.ext.mathjax", "sphinx.ext.githubpages", "minillm_book"]  # githubpages: .nojekyll
 
-root_doc = "README"  # the English landing page; README.zh-CN.md is the Chinese one
-include_patterns = ["README.md", "README.zh-CN.md", "docs/**", "notebooks/**", "exercises/**"]
+root_doc = "book/index"  # the English landing page; book/index.zh-CN.md is the Chinese one
+include_patterns = ["book/index.md", "book/index.zh-CN.md", "README.md", "README.zh-CN.md", "CONTRIBUTING.md",
+                    "docs/**", "notebooks/**", "exercises/**"]
 exclude_patterns = ["**/.ipynb_checkpoints", ".venv", "build", ".git", "**/*.py", "**/*.json", "**/*.txt"]
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 
@@ -46,6 +49,11 @@ html_static_path = ["_static"]
 html_css_files = ["minillm-book.css"]
 html_favicon = "_static/favicon.svg"
 html_copy_source = True  # the download button gives the notebook itself
+# The landing pages' `git clone` line names the repository where the build knows it (GitHub Actions sets
+# GITHUB_REPOSITORY; .github/workflows/book.yml builds there); elsewhere they say "clone this repository".
+_github_repository = os.environ.get("GITHUB_REPOSITORY", "")
+minillm_repository_url = (f"{os.environ.get('GITHUB_SERVER_URL', 'https://github.com')}/{_github_repository}"
+                          if _github_repository else "")
 html_theme_options = {
     "home_page_in_toc": True,
     "show_navbar_depth": 1,
@@ -54,6 +62,12 @@ html_theme_options = {
     "article_header_end": ["lang-switch.html", "article-header-buttons.html"],
     "navigation_with_keys": False,
     "show_toc_level": 2,
+    # No top navbar at all (sphinx-book-theme leaves navbar_start/center/end empty; pydata-sphinx-theme 0.20 fills
+    # navbar_persistent with the search field unless it is set). With a navbar, pydata-sphinx-theme 0.20 renders a
+    # second, hidden pair of .primary-toggle/.secondary-toggle buttons before the article header's, and both themes'
+    # scripts bind only the first match (document.querySelector): the menu and "Contents" buttons then do nothing
+    # (pydata-sphinx-theme#2451, sphinx-book-theme#988; tests/book_browser.py clicks them at phone width).
+    "navbar_persistent": [],
 }
 # Light by default: the notebook figures are drawn on white. (Left empty, the theme logs a console error.)
 html_context = {"default_mode": "light"}

@@ -4,18 +4,27 @@
 Chromium is driven by Playwright (``executable_path``, the flags of tests/test_browser.py; never downloaded). Every
 request that is not to that server is aborted and recorded: the site must work with the network cut off.
 
-- **Landing pages.** README.html (English) and README.zh-CN.html (``lang="zh-CN"``): each has a language switch to
-  the other, and the Chinese title is drawn with a CJK font the site names (Chromium's own record of the platform
-  font that drew the glyphs, via the DevTools protocol; a missing font would draw boxes).
+- **Landing pages.** book/index.html (English; index.html leads there) and book/index.zh-CN.html
+  (``lang="zh-CN"``): each has a language switch to the other and a card per chapter; the Chinese title is drawn with
+  a CJK font the site names (Chromium's own record of the platform font that drew the glyphs, via the DevTools
+  protocol; a missing font would draw boxes). **The Chinese path**: from the Chinese landing page, a chapter's card
+  leads to its lesson, whose sidebar names the chapters in Chinese too.
 - **One page per chapter** (every lesson and every exercise page): no console error, no page error, no request
   leaves the server; every image has loaded (``naturalWidth > 0``); where the page has math, MathJax has typeset
-  every formula (an output element per ``.math`` span, no ``merror``, no undefined macro drawn in red).
+  every formula (an output element per ``.math`` span, no ``merror``, no undefined macro drawn in red); at most 5 %
+  of the code cells' blocks (source and output) scroll sideways (the fraction is printed); every lesson ends with a
+  link to its exercises.
+- **A phone** (390 × 844), on the landing page and a lesson: the menu button opens the site's menu and the
+  "Contents" button the page's contents (each a dialog, closed with Escape), every button of the header lies on the
+  screen, and the page does not scroll sideways. At 800 px the same buttons open the same dialogs; at 1300 px the
+  menu button folds the sidebar away and back. "Next" at the bottom of lesson 01 leads to exercises 01, and "Next"
+  of exercises 07 to the capstone (08).
 - **Search** for ``slot_mapping`` lists results (Sphinx's offline index).
 - **The Q1 link** of notebook 00's question table, clicked, lands on notebook 01 at the section headed
   ``Learner question Q1``, scrolled into view.
 
-Screenshots of the landing pages and of chapter 04 go to ``$MINILLM_BOOK_SCREENSHOTS`` (default: a folder under
-``$TMPDIR``); the path is printed.
+Screenshots of the landing pages, of chapter 04 and of the phone's menu and contents go to
+``$MINILLM_BOOK_SCREENSHOTS`` (default: a folder under ``$TMPDIR``); the path is printed.
 """
 from __future__ import annotations
 
@@ -48,7 +57,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def site():
     """The built site over loopback HTTP; yields its base URL."""
-    if not (SITE / "README.html").is_file():
+    if not (SITE / "book" / "index.html").is_file():
         pytest.fail(f"{SITE} is not built: run `make book` (make test-book does)")
     port = free_port()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(_Quiet, directory=str(SITE)))
@@ -78,8 +87,8 @@ def browser(site):
 class _Watched:
     """A page whose console errors, page errors and requests off the server are recorded."""
 
-    def __init__(self, browser, site: str):
-        self.context = browser.new_context(viewport={"width": 1300, "height": 900}, service_workers="block")
+    def __init__(self, browser, site: str, width: int = 1300, height: int = 900):
+        self.context = browser.new_context(viewport={"width": width, "height": height}, service_workers="block")
         self.offsite: list[str] = []
         self.errors: list[str] = []
 
@@ -129,29 +138,36 @@ def _fonts_drawing(page, selector: str) -> list[str]:
 
 def test_english_landing_page(watched, site):
     page = watched.page
-    page.goto(f"{site}/index.html")  # the redirect to README.html
-    page.wait_for_url("**/README.html")
+    page.goto(f"{site}/index.html")  # the redirect to the landing page
+    page.wait_for_url("**/book/index.html")
     page.locator("article h1").first.wait_for()
     assert "minillm" in page.locator("article h1").first.inner_text()
     assert page.get_attribute("html", "lang") == "en"
     switch = page.locator("a.minillm-lang-switch")
-    assert switch.inner_text().strip() == "中文" and switch.get_attribute("href") == "README.zh-CN.html"
+    assert switch.inner_text().strip() == "中文" and switch.get_attribute("href") == "index.zh-CN.html"
     nav = page.locator("nav.bd-docs-nav")
     for name in ("00_welcome", "04_scheduler", "08_capstone"):
         assert nav.locator(f"a[href*='{name}']").count(), f"{name} missing from the table of contents"
+    cards = page.locator("article .minillm-card")
+    assert cards.count() == len(list((SITE / "notebooks").glob("*.html"))) + 1  # a card per chapter, the capstone too
+    assert cards.nth(0).locator("a[href='../notebooks/00_welcome.html']").count() >= 1
+    assert cards.nth(0).locator("a[href='../exercises/00_warmup.html']").count() == 1
+    start = page.locator("article a[href='../notebooks/00_welcome.html']").first  # "Start here", before the cards
+    assert start.bounding_box()["y"] < cards.nth(0).bounding_box()["y"]
+    assert "git clone" in page.locator("article").inner_text()
     _shot(page, "landing-en.png")
-    watched.clean("README.html")
+    watched.clean("book/index.html")
 
 
-def test_chinese_landing_page_draws_cjk_with_a_named_font(watched, site):
+def test_chinese_landing_page_draws_cjk_and_leads_into_the_chapters(watched, site):
     page = watched.page
-    page.goto(f"{site}/README.zh-CN.html")
+    page.goto(f"{site}/book/index.zh-CN.html")
     h1 = page.locator("article h1").first
     h1.wait_for()
     assert "一章一个 notebook" in h1.inner_text()
     assert page.get_attribute("html", "lang") == "zh-CN"
     switch = page.locator("a.minillm-lang-switch")
-    assert switch.inner_text().strip() == "English" and switch.get_attribute("href") == "README.html"
+    assert switch.inner_text().strip() == "English" and switch.get_attribute("href") == "index.html"
     family = page.evaluate("getComputedStyle(document.querySelector('article h1')).fontFamily")
     assert "Noto Sans CJK SC" in family, family
     for selector in ("article h1", "article section > p"):  # the title, and the first paragraph of text
@@ -160,7 +176,14 @@ def test_chinese_landing_page_draws_cjk_with_a_named_font(watched, site):
         assert any(f in CJK_FONTS or "CJK" in f or "Source Han" in f for f in drawn), (
             f"{selector}: the Chinese text is drawn with {drawn}, none of the named CJK fonts {CJK_FONTS}")
     _shot(page, "landing-zh-CN.png")
-    watched.clean("README.zh-CN.html")
+    # The Chinese path: the card of chapter 04 (its Chinese title) leads to the lesson, whose sidebar is bilingual.
+    page.locator("article .minillm-card a", has_text="04 · 调度器").first.click()
+    page.wait_for_url("**/notebooks/04_scheduler.html")
+    page.locator("article h1").first.wait_for()
+    current = page.locator("nav.bd-docs-nav li.current > a").first.inner_text()
+    assert current.strip() == "04 · The scheduler · 调度器", current
+    assert page.locator("nav.bd-docs-nav a", has_text="02 · The paged KV cache · 分页 KV cache").count() == 1
+    watched.clean("book/index.zh-CN.html → notebooks/04_scheduler.html")
 
 
 def _chapter_pages() -> list[str]:
@@ -199,7 +222,30 @@ def test_chapter_page(watched, site, path):
         _shot(page, "chapter-04-widget.png")
     if path.startswith("exercises/"):
         assert page.locator("text=Work on this exercise locally").count() == 1
+    exercise = _exercise_of(path)
+    if exercise:  # the lesson ends with a link to its exercises
+        link = page.locator(f".minillm-next-exercise a[href='../{exercise}']")
+        assert link.count() == 1, f"{path}: no link to {exercise} at its end"
+    scrolling, blocks = _sideways(page)
+    print(f"{path}: {scrolling} of {blocks} code blocks scroll sideways")
+    assert scrolling <= 0.05 * blocks, f"{path}: {scrolling} of {blocks} code blocks scroll sideways"
     watched.clean(path)
+
+
+def _exercise_of(path: str) -> str | None:
+    """exercises/NN_*.html of the lesson ``notebooks/NN_*.html``, or None."""
+    if not path.startswith("notebooks/"):
+        return None
+    found = sorted((SITE / "exercises").glob(path.split("/")[1][:3] + "*.html"))
+    return found[0].relative_to(SITE).as_posix() if found else None
+
+
+def _sideways(page) -> tuple[int, int]:
+    """(code blocks of the article's cells that scroll sideways, all of them): source and output ``pre``s."""
+    return tuple(page.evaluate("""() => {
+        const pres = [...document.querySelectorAll('article div.cell pre')].filter(p => p.clientWidth > 0);
+        return [pres.filter(p => p.scrollWidth > p.clientWidth + 1).length, pres.length];
+    }"""))
 
 
 def test_search_finds_slot_mapping(watched, site):
@@ -229,3 +275,111 @@ def test_q1_link_of_notebook_00_lands_on_its_section(watched, site):
                            " return r.top >= -2 && r.top < window.innerHeight / 2; }", arg=frag)
     _shot(page, "q1-landing.png")
     watched.clean("Q1 link")
+
+
+# ---- a phone, a tablet, a desktop ---------------------------------------------------------------------------------
+
+PHONE = (390, 844)
+
+
+def _no_sideways_scroll(page, what: str) -> None:
+    width, inner = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    assert width <= inner, f"{what}: the page scrolls sideways ({width} px wide in a {inner} px window)"
+
+
+def _header_buttons_on_screen(page, what: str) -> None:
+    """Every visible control of the article's header lies inside the window (the bilingual note must not push the
+    search and contents buttons off a phone's screen)."""
+    boxes = page.evaluate("""() => [...document.querySelectorAll('.bd-header-article .btn, .bd-header-article a')]
+        .filter(e => e.offsetParent !== null).map(e => {
+            const r = e.getBoundingClientRect(); return [e.className, r.left, r.right]; })""")
+    inner = page.evaluate("window.innerWidth")
+    off = [b for b in boxes if b[1] < 0 or b[2] > inner + 0.5]
+    assert boxes and not off, f"{what}: header controls off the screen ({inner} px): {off}"
+
+
+def _open_dialog(page, toggle: str, dialog: str) -> None:
+    """Click the visible ``toggle`` button; ``dialog`` must open, show links, and close again on Escape."""
+    buttons = [b for b in page.locator(toggle).all() if b.is_visible()]
+    assert len(buttons) == 1, f"{len(buttons)} visible {toggle} buttons"
+    buttons[0].click()
+    page.wait_for_function(f"document.querySelector('{dialog}')?.open === true", timeout=5_000)
+    links = page.locator(f"{dialog} a")
+    assert links.count() and any(links.nth(i).is_visible() for i in range(min(links.count(), 10))), (
+        f"{dialog} opened without a visible link")
+    page.keyboard.press("Escape")
+    page.wait_for_function(f"!document.querySelector('{dialog}').open", timeout=5_000)
+
+
+@pytest.mark.parametrize("path", ["book/index.html", "notebooks/04_scheduler.html"])
+def test_on_a_phone_the_menu_and_the_contents_open_and_nothing_scrolls_sideways(browser, site, path):
+    w = _Watched(browser, site, *PHONE)
+    try:
+        page = w.page
+        page.goto(f"{site}/{path}", wait_until="load")
+        page.locator("article h1").first.wait_for()
+        _no_sideways_scroll(page, path)
+        _header_buttons_on_screen(page, path)
+        _open_dialog(page, ".primary-toggle", "#pst-primary-sidebar-modal")
+        page.locator(".primary-toggle").first.click()
+        page.wait_for_function("document.querySelector('#pst-primary-sidebar-modal').open")
+        assert page.locator("#pst-primary-sidebar-modal nav.bd-docs-nav a[href*='08_capstone']").is_visible()
+        _shot(page, f"phone-menu-{path.replace('/', '-')}.png")
+        page.keyboard.press("Escape")
+        page.wait_for_function("!document.querySelector('#pst-primary-sidebar-modal').open")
+        _open_dialog(page, ".secondary-toggle", "#pst-secondary-sidebar-modal")
+        page.locator(".secondary-toggle").first.click()
+        page.wait_for_function("document.querySelector('#pst-secondary-sidebar-modal').open")
+        assert page.locator("#pst-secondary-sidebar-modal .page-toc a").first.is_visible()
+        _shot(page, f"phone-contents-{path.replace('/', '-')}.png")
+        page.keyboard.press("Escape")
+        scrolling, blocks = _sideways(page)
+        assert scrolling <= 0.05 * blocks, f"{path}: {scrolling} of {blocks} code blocks scroll sideways on a phone"
+        w.clean(f"{path} on a phone")
+    finally:
+        w.context.close()
+
+
+def test_the_menu_button_works_on_a_tablet_and_on_a_desktop(browser, site):
+    w = _Watched(browser, site, 800, 900)
+    try:
+        w.page.goto(f"{site}/notebooks/01_attention_and_chunks.html", wait_until="load")
+        _open_dialog(w.page, ".primary-toggle", "#pst-primary-sidebar-modal")
+        _open_dialog(w.page, ".secondary-toggle", "#pst-secondary-sidebar-modal")
+        _no_sideways_scroll(w.page, "800 px")
+        w.clean("800 px")
+    finally:
+        w.context.close()
+    w = _Watched(browser, site, 1300, 900)
+    try:
+        page = w.page
+        page.goto(f"{site}/notebooks/01_attention_and_chunks.html", wait_until="load")
+        sidebar = page.locator("#pst-primary-sidebar")
+        assert sidebar.is_visible()
+        hidden = "getComputedStyle(document.querySelector('#pst-primary-sidebar')).visibility === 'hidden'"
+        page.locator(".primary-toggle").first.click()  # folds the sidebar away (sphinx-book-theme: visibility hidden)
+        page.wait_for_function(hidden, timeout=5_000)
+        page.locator(".primary-toggle").first.click()
+        page.wait_for_function(f"!({hidden})", timeout=5_000)
+        assert sidebar.is_visible()
+        assert not page.evaluate("document.querySelector('#pst-primary-sidebar-modal').open")
+        assert page.locator("#pst-secondary-sidebar .page-toc a").first.is_visible()  # the contents, always shown
+        w.clean("1300 px")
+    finally:
+        w.context.close()
+
+
+def test_next_leads_from_a_lesson_to_its_exercises_on_a_phone(browser, site):
+    w = _Watched(browser, site, *PHONE)
+    try:
+        page = w.page
+        for start, lands in (("notebooks/01_attention_and_chunks.html", "exercises/01_attention_and_chunks.html"),
+                             ("exercises/07_context_parallel.html", "exercises/08_capstone.html")):
+            page.goto(f"{site}/{start}", wait_until="load")
+            nxt = page.locator("a.right-next")
+            nxt.scroll_into_view_if_needed()
+            nxt.click()
+            page.wait_for_url(f"**/{lands}")
+        w.clean("Next")
+    finally:
+        w.context.close()

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from minillm.course.benchmarks.throughput import make_workload  # noqa: E402
 from minillm.config import LlamaConfig  # noqa: E402
+from minillm.course.benchmarks.throughput import make_workload  # noqa: E402
 from minillm.engine.arg_utils import EngineArgs  # noqa: E402
 from minillm.engine.llm_engine import LLMEngine  # noqa: E402
 from minillm.model.llama import LlamaForCausalLM  # noqa: E402

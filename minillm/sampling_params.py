@@ -200,11 +200,11 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     @classmethod
-    def greedy(cls, **kwargs) -> "SamplingParams":
+    def greedy(cls, **kwargs) -> SamplingParams:
         """Shorthand for ``SamplingParams(temperature=0, ...)``."""
         return cls(temperature=0.0, **kwargs)
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         """A validated copy with some fields changed."""
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "all_stop_token_ids"}
         fields.update(changes)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # transformers is imported only when a tokenizer is loaded: i
     from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Tokenizer for a ``.gguf`` file (vocabulary, merges and chat template from its metadata) or an HF directory.
 
     A ``.gguf`` file's tokenizer is kept on disk after the first load (:mod:`minillm.loaders.gguf_cache`): building
@@ -35,7 +35,7 @@ def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def chat_prompt_ids(tokenizer: "PreTrainedTokenizerBase", messages: list[dict[str, str]] | str) -> list[int]:
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]] | str) -> list[int]:
     """Token ids of ``messages`` (or one user message) rendered with the model's chat template, ready to answer."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]

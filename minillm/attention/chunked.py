@@ -30,7 +30,6 @@ import torch
 from minillm.attention.contiguous import ContiguousKVCache
 from minillm.model.llama import LlamaForCausalLM, check_token_ids
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # How a prompt is cut
 

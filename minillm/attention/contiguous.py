@@ -31,7 +31,7 @@ class ContiguousKVCache:
         self._len = [0] * num_layers
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, capacity: int = 256) -> "ContiguousKVCache":
+    def for_model(cls, model: torch.nn.Module, capacity: int = 256) -> ContiguousKVCache:
         """An empty cache shaped for ``model`` (a :class:`~minillm.model.llama.LlamaForCausalLM`); subclasses get their
         own type."""
         cfg = model.config

@@ -8,8 +8,12 @@
 - :mod:`~minillm.distributed.context_parallel_executor`: chapter 7's prefill on several ranks, put back together.
 """
 from minillm.distributed.comm import CollectiveError, CommStats, expected_bytes_per_layer
-from minillm.distributed.context_parallel import (STRATEGIES, ContextParallelAttention, RankPrefillOutput,
-                                                  context_parallel_forward)
+from minillm.distributed.context_parallel import (
+    STRATEGIES,
+    ContextParallelAttention,
+    RankPrefillOutput,
+    context_parallel_forward,
+)
 from minillm.distributed.splits import SPLIT_KINDS, ContextSplit, Piece, make_split
 
 __all__ = ["SPLIT_KINDS", "STRATEGIES", "CollectiveError", "CommStats", "ContextParallelAttention",
@@ -18,11 +22,15 @@ __all__ = ["SPLIT_KINDS", "STRATEGIES", "CollectiveError", "CommStats", "Context
            "expected_bytes_per_layer", "make_split"]
 
 # Tensor parallelism (chapter 9): the group and its collectives, the rank's job, the parent's helper, the formulas.
-from minillm.distributed.parallel_state import (TensorParallelGroup, simulate_all_gather,  # noqa: E402
-                                                simulate_all_reduce)
-from minillm.distributed.tensor_parallel import (TensorParallelResult, expected_all_gather_bytes,  # noqa: E402
-                                                 expected_all_reduce_bytes, expected_num_all_reduces,
-                                                 run_tensor_parallel, tp_prefill)
+from minillm.distributed.parallel_state import TensorParallelGroup, simulate_all_gather, simulate_all_reduce  # noqa: E402
+from minillm.distributed.tensor_parallel import (  # noqa: E402
+    TensorParallelResult,
+    expected_all_gather_bytes,
+    expected_all_reduce_bytes,
+    expected_num_all_reduces,
+    run_tensor_parallel,
+    tp_prefill,
+)
 
 __all__ += ["TensorParallelGroup", "TensorParallelResult", "expected_all_gather_bytes", "expected_all_reduce_bytes",
             "expected_num_all_reduces", "run_tensor_parallel", "simulate_all_gather", "simulate_all_reduce",

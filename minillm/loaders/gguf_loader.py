@@ -52,7 +52,7 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
-def read_gguf_config(reader: "gguf.GGUFReader") -> LlamaConfig:  # noqa: F821 (gguf is imported lazily)
+def read_gguf_config(reader: gguf.GGUFReader) -> LlamaConfig:  # noqa: F821 (gguf is imported lazily)
     """Build a :class:`LlamaConfig` from a ``gguf.GGUFReader``'s metadata (``llama.*`` keys)."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":

@@ -34,12 +34,23 @@ from torch import nn
 from minillm.attention.backend import AttentionImpl
 from minillm.attention.reference import reference_attention
 from minillm.config import LlamaConfig
-from minillm.distributed.parallel_state import (TensorParallelGroup, check_tp_rank, simulate_all_gather,
-                                                simulate_all_reduce)
+from minillm.distributed.parallel_state import (
+    TensorParallelGroup,
+    check_tp_rank,
+    simulate_all_gather,
+    simulate_all_reduce,
+)
 from minillm.model.layers import RMSNorm, RotaryEmbedding, share_rotary_cache
 from minillm.model.llama import LlamaForCausalLM, check_token_ids
-from minillm.model.parallel_layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                                           RowParallelLinear, VocabParallelEmbedding, check_head_split, shard_range)
+from minillm.model.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_head_split,
+    shard_range,
+)
 
 
 def check_tensor_parallel_config(config: LlamaConfig, tp_size: int) -> None:

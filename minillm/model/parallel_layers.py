@@ -259,7 +259,7 @@ class QKVParallelLinear(nn.Module):
                                                          requires_grad=False)
 
     @classmethod
-    def from_attention(cls, attn: nn.Module, tp_rank: int, tp_size: int) -> "QKVParallelLinear":
+    def from_attention(cls, attn: nn.Module, tp_rank: int, tp_size: int) -> QKVParallelLinear:
         """This rank's shard of a :class:`~minillm.model.llama.LlamaAttention`'s ``q_proj``, ``k_proj``, ``v_proj``."""
         return cls(attn.q_proj, attn.k_proj, attn.v_proj, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                    tp_rank, tp_size)

@@ -11,7 +11,7 @@ vLLM counterpart: ``GPUModelRunner._prepare_inputs`` and ``_calc_spec_decode_met
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -5,8 +5,8 @@ vLLM counterpart: ``vllm/v1/sample/metadata.py`` (``SamplingMetadata``); vLLM fi
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -71,7 +71,7 @@ class SamplingMetadata:
                     output_token_ids: Sequence[Sequence[int]] | None = None,
                     eos_token_id: int | None = None,
                     generators: dict[int, torch.Generator] | None = None,
-                    device: torch.device | str = "cpu") -> "SamplingMetadata":
+                    device: torch.device | str = "cpu") -> SamplingMetadata:
         """Build the batch tensors from one :class:`SamplingParams` per row.
 
         Args:
@@ -136,7 +136,7 @@ class SamplingMetadata:
             min_tokens=min_tokens,
         )
 
-    def expand_for_drafts(self, draft_token_ids: Sequence[Sequence[int]]) -> "SamplingMetadata":
+    def expand_for_drafts(self, draft_token_ids: Sequence[Sequence[int]]) -> SamplingMetadata:
         """Settings for the rows the rejection sampler scores: request ``i`` with ``d_i`` drafts gets ``d_i + 1``
         rows (one per draft position, then the bonus position). Row ``j`` of request ``i`` sees the outputs so far
         plus drafts ``0..j-1`` as its history, so penalties and ``min_tokens`` act as if the drafts had been

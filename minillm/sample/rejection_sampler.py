@@ -19,7 +19,7 @@ V2 (v0.33.0's default, ``vllm/v1/worker/gpu/spec_decode/rejection_sampler.py``) 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from minillm.course.benchmarks.throughput import OUTPUT_LENS, TIE_GAPS, Workload, compare_greedy, make_workload
 from minillm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minillm.course.benchmarks.throughput import OUTPUT_LENS, TIE_GAPS, Workload, compare_greedy, make_workload
 from minillm.engine import EngineCoreOutputs
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine

@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from minillm.course.analysis.flops import layer_flops, lm_head_flops
 from minillm.config import LlamaConfig
+from minillm.course.analysis.flops import layer_flops, lm_head_flops
 from minillm.platforms.dtype import SERVING_DTYPE, resolve_dtype
 
 OUTPUT_LENS = (8, 16, 32, 64, 96)
@@ -213,9 +213,9 @@ def run_hf_padded(hf_model: Any, workload: Workload, pad_token_id: int = 0) -> P
 @torch.inference_mode()
 def run_hf_batch(hf_model: Any, workload: Workload, timeout_s: float = 1800.0) -> PeerResult:
     """transformers' continuous batching (the manager behind ``generate_batch``), per-request ``max_new_tokens``."""
-    from transformers import GenerationConfig
-
     import logging
+
+    from transformers import GenerationConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=None,
                               pad_token_id=0)

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from minillm.engine.parts import PART_NAMES, EngineParts
 from minillm.course.exercises.check import _compare, private_copy
 from minillm.course.exercises.parts import PART_SOURCES, LearnerParts
 from minillm.course.exercises.tripwire import DelegationError, guard
+from minillm.engine.parts import PART_NAMES, EngineParts
 
 _SOURCE = {s.part: s for s in PART_SOURCES}
 
@@ -414,10 +414,9 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
             calls the package's own implementation of itself fails. ``False`` only for a demonstration built on the
             package's code (chapter 8's wrong scheduler, which inherits the package's running loop).
     """
+    from minillm.course.exercises import grading
     from minillm.engine.arg_utils import EngineArgs
     from minillm.engine.llm_engine import LLMEngine
-
-    from minillm.course.exercises import grading
 
     parts = learner.engine_parts(use_reference_for) if isinstance(learner, LearnerParts) else learner
     package_parts = frozenset(set(PART_NAMES) - set(parts.replaced()))

@@ -200,7 +200,7 @@ def _method_targets(exercise: str) -> dict[tuple[str, str], str]:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _package_classes() -> dict[str, list[tuple[tuple[str, ...], frozenset[str]]]]:
     """Class name -> (its bases' last names, the names its body defines) for every class of the minillm and
     kernels packages, read from their source (nothing imported)."""
@@ -224,7 +224,7 @@ def _package_classes() -> dict[str, list[tuple[tuple[str, ...], frozenset[str]]]
     return classes
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _heirs(owner: str, method: str) -> frozenset[str]:
     """``owner`` and the package's classes that get ``owner.method`` by inheritance (by name, transitively)."""
     heirs, todo = {owner}, [owner]

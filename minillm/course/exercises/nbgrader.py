@@ -47,7 +47,7 @@ from typing import Any
 
 import nbformat
 
-from minillm.course.exercises.build import BEGIN, END, _TITLE, strip_solutions, with_allowed_imports
+from minillm.course.exercises.build import _TITLE, BEGIN, END, strip_solutions, with_allowed_imports
 
 COURSE_ID = "minillm"
 STAR_POINTS = {"★": 1, "★★": 2, "★★★": 3}

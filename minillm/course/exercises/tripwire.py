@@ -26,7 +26,6 @@ vLLM has nothing like this: it is a course's device, in the spirit of a test dou
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import re
 import sys

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.course.widgets.figure_view import COLORS as _COLORS
+from minillm.course.widgets.figure_view import FigureView, render_png
 from minillm.request import Request
-from minillm.course.widgets.figure_view import COLORS as _COLORS, FigureView, render_png
 
 
 def _short(h: bytes | None) -> str:

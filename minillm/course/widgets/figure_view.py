@@ -21,7 +21,7 @@ COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA
 _RENDER_LOCK = threading.Lock()
 
 
-def render_png(draw: Callable[["matplotlib.figure.Figure"], None], figsize: tuple[float, float],  # noqa: F821
+def render_png(draw: Callable[[matplotlib.figure.Figure], None], figsize: tuple[float, float],  # noqa: F821
                dpi: int = 90) -> bytes:
     """Draw a figure with ``draw(fig)`` on a pyplot-free :class:`~matplotlib.figure.Figure` and return it as PNG.
 

@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minillm.config import SchedulerConfig
-from minillm.course.fake_runner import FakeModelRunner, SimulationResult, StepRecord
 from minillm.core.sched.output import SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
+from minillm.course.fake_runner import FakeModelRunner, SimulationResult, StepRecord
+from minillm.course.widgets.figure_view import COLORS as _COLORS
+from minillm.course.widgets.figure_view import FigureView, render_png
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
-from minillm.course.widgets.figure_view import COLORS as _COLORS, FigureView, render_png
 
 _STEPPER_FIGSIZE = (10, 5.2)
 

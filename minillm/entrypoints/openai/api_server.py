@@ -69,12 +69,12 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Awaitable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -87,8 +87,13 @@ except ImportError:  # pragma: no cover - the server's extra is not installed; b
     uvicorn = None
 
 from minillm.engine.async_llm import AsyncLLM, EngineDeadError
-from minillm.entrypoints.openai.middleware import (DEFAULT_MAX_REQUEST_BODY_BYTES, AuthenticationMiddleware,
-                                                   HostCheckMiddleware, RequestBodyMiddleware, is_loopback_host)
+from minillm.entrypoints.openai.middleware import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    AuthenticationMiddleware,
+    HostCheckMiddleware,
+    RequestBodyMiddleware,
+    is_loopback_host,
+)
 from minillm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from minillm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minillm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -339,7 +344,7 @@ class BackgroundServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+    def start(self, timeout: float = 60.0) -> BackgroundServer:
         """Start serving and return once the socket listens."""
         self._thread = threading.Thread(target=self._server.run, name="minillm-server", daemon=True)
         self._thread.start()
@@ -358,7 +363,7 @@ class BackgroundServer:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -31,7 +31,8 @@ generation-config default (its ``max_new_tokens``, when the client sent no limit
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from minillm.sampling_params import MAX_LOGPROBS, SamplingParams
 

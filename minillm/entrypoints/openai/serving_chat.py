@@ -20,16 +20,30 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
-from minillm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                                  ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-                                                  ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
-                                                  random_uuid)
+from minillm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    random_uuid,
+)
 from minillm.entrypoints.openai.sampling import check_top_logprobs
-from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
-                                                        reject_unsupported, sse, stream_aborted, stream_error,
-                                                        usage_of)
+from minillm.entrypoints.openai.serving_engine import (
+    OpenAIRequestError,
+    OpenAIServing,
+    abort_when_dropped,
+    reject_unsupported,
+    sse,
+    stream_aborted,
+    stream_error,
+    usage_of,
+)
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -13,14 +13,27 @@ vLLM counterpart: ``vllm/entrypoints/openai/completion/serving.py`` (``OpenAISer
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
-from minillm.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
-                                                  CompletionResponseStreamChoice, CompletionStreamResponse,
-                                                  random_uuid)
-from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
-                                                        reject_unsupported, sse, stream_aborted, stream_error,
-                                                        usage_of)
+from minillm.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    random_uuid,
+)
+from minillm.entrypoints.openai.serving_engine import (
+    OpenAIRequestError,
+    OpenAIServing,
+    abort_when_dropped,
+    reject_unsupported,
+    sse,
+    stream_aborted,
+    stream_error,
+    usage_of,
+)
 
 
 class OpenAIServingCompletion(OpenAIServing):

@@ -38,8 +38,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from minillm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel, UsageInfo
-from minillm.entrypoints.openai.sampling import (ContextLengthExceededError, check_prompt_fits,
-                                                 requested_max_tokens, to_sampling_params)
+from minillm.entrypoints.openai.sampling import (
+    ContextLengthExceededError,
+    check_prompt_fits,
+    requested_max_tokens,
+    to_sampling_params,
+)
 from minillm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

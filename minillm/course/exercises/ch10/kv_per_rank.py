@@ -154,7 +154,7 @@ def _explain_heads(nkv: int, tp: int, rank: int, got: list[int], want: list[int]
             return (f"{call}: every KV head on every rank is the tp_size=1 answer; {rule}")
         return f"{call} (QKVParallelLinear's kv_heads for that rank): {rule}"
     per = nkv // tp
-    rule = (f"with at least as many KV heads as ranks the heads are split: each rank holds num_kv_heads // tp_size = "
+    rule = ("with at least as many KV heads as ranks the heads are split: each rank holds num_kv_heads // tp_size = "
             + (f"{per} consecutive heads, rank r heads r * {per} .. r * {per} + {per - 1}" if per > 1 else
                "1 head, rank r head r"))
     if got == list(range(nkv)) and tp > 1:

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from minillm.core.sched.output import SchedulerOutput
+from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.core import EngineCore
-from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.model.llama import LlamaForCausalLM
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams

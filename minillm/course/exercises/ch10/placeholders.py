@@ -27,10 +27,10 @@ from typing import Any
 
 from minillm.core.sched.output import SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
+from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.core import EngineCore
 from minillm.engine.parts import EngineParts
-from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.model.llama import LlamaForCausalLM
 from minillm.request import Request, RequestStatus
 from minillm.sampling_params import SamplingParams
@@ -49,7 +49,7 @@ class View:
     num_prompt_tokens: int
 
     @classmethod
-    def of(cls, request: Request) -> "View":
+    def of(cls, request: Request) -> View:
         return cls(request.status.name, request.num_computed_tokens, request.num_output_placeholders,
                    request.num_tokens, request.num_prompt_tokens)
 

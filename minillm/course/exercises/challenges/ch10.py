@@ -49,8 +49,15 @@ import numpy as np
 import torch
 
 from minillm.core.sched.output import SchedulerOutput
-from minillm.course.exercises.ch10.persistent_batch import (RESETS, SCENARIOS, Recording, apply_sampled,
-                                                     describe_plan, record_plans, reference_update_states)
+from minillm.course.exercises.ch10.persistent_batch import (
+    RESETS,
+    SCENARIOS,
+    Recording,
+    apply_sampled,
+    describe_plan,
+    record_plans,
+    reference_update_states,
+)
 from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling_params import SamplingParams

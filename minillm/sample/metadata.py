@@ -106,7 +106,7 @@ class SamplingMetadata:
         min_p = f32([p.min_p for p in params])
         if generators is None:
             generators = {i: make_generator(p.seed, device) for i, p in enumerate(params)
-                          if p.sampling_type == SamplingType.RANDOM_SEED}
+                          if p.sampling_type == SamplingType.RANDOM_SEED and p.seed is not None}
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         min_tokens = {}
         for i, p in enumerate(params):
@@ -145,7 +145,13 @@ class SamplingMetadata:
             raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows, the batch has {self.num_reqs}")
         rows = [(i, j) for i, d in enumerate(draft_token_ids) for j in range(len(d) + 1)]
         idx = torch.tensor([i for i, _ in rows], dtype=torch.long)
-        pick = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[idx.to(t.device)]
+
+        def pick_optional(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else pick(t)
+
         outputs = [self.output_token_ids[i] + list(draft_token_ids[i][:j]) for i, j in rows]
         min_tokens = {}
         for r, (i, _) in enumerate(rows):
@@ -153,7 +159,7 @@ class SamplingMetadata:
                 min_tokens[r] = self.min_tokens[i]
         return SamplingMetadata(
             temperature=pick(self.temperature), all_greedy=self.all_greedy, all_random=self.all_random,
-            top_k=pick(self.top_k), top_p=pick(self.top_p), min_p=pick(self.min_p), generators={},
+            top_k=pick_optional(self.top_k), top_p=pick_optional(self.top_p), min_p=pick_optional(self.min_p), generators={},
             max_num_logprobs=None, no_penalties=self.no_penalties,
             presence_penalties=pick(self.presence_penalties), frequency_penalties=pick(self.frequency_penalties),
             repetition_penalties=pick(self.repetition_penalties),

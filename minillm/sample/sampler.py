@@ -17,6 +17,8 @@ draw (the same race in log form, its noise hashed from seed and position); its t
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -87,7 +89,7 @@ class Sampler(nn.Module):
         logits = self.apply_logits_processors(logits, md)
         sampled = self.sample(logits, md)
         logprobs = None
-        if raw_logprobs is not None:
+        if raw_logprobs is not None and md.max_num_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled.to(torch.int32).unsqueeze(-1), logprobs_tensors=logprobs)
 
@@ -117,10 +119,9 @@ class Sampler(nn.Module):
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """int64 ``[num_rows]``: argmax for greedy rows, an exponential-race draw for the others."""
-        greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
         random = random_sample(self.filtered_probs(logits, md, self.top_k_top_p), md.generators)
-        if greedy is None:
+        if md.all_random:
             return random
-        return torch.where(md.temperature < SAMPLING_EPS, greedy, random)
+        return torch.where(md.temperature < SAMPLING_EPS, logits.argmax(dim=-1), random)

@@ -85,14 +85,14 @@ class MemoryTrace:
 
         def visit(dev: Any, hst: Any) -> None:
             if isinstance(dev, tuple):
-                for d, h in zip(dev, hst):
+                for d, h in zip(dev, hst, strict=True):
                     visit(d, h)
                 return
             dev, hst = getattr(dev, "base", dev), getattr(hst, "base", hst)  # triton's TensorWrapper
             if isinstance(dev, torch.Tensor) and isinstance(hst, torch.Tensor):
                 where[dev.untyped_storage().data_ptr()] = hst.untyped_storage().data_ptr()
 
-        for dev, hst in zip(args_dev, args_hst):
+        for dev, hst in zip(args_dev, args_hst, strict=True):
             visit(dev, hst)
         self.launches.append(where)
 
@@ -101,8 +101,8 @@ class MemoryTrace:
         keep = np.broadcast_to(np.asarray(mask.data, dtype=bool), data.shape)
         element_size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
         launch = max(len(self.launches) - 1, 0)
-        self.accesses.append(Access(kind, tuple(int(i) for i in builder.grid_idx),
-                                    data[keep].astype(np.int64).ravel(), element_size, launch))
+        x, y, z = (int(i) for i in builder.grid_idx)
+        self.accesses.append(Access(kind, (x, y, z), data[keep].astype(np.int64).ravel(), element_size, launch))
 
     # -- reading ----------------------------------------------------------------------------------------------------
     def _of(self, kind: str) -> list[Access]:
@@ -133,7 +133,7 @@ class MemoryTrace:
         index = [np.zeros_like(elem) for _ in range(tensor.dim())]
         # Unravel with the strides, largest first: an index in range on every axis and nothing left over means the
         # address is an element of this (possibly strided) tensor.
-        for d in sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d)):
+        for d in sorted(range(tensor.dim()), key=lambda d: -tensor.stride()[d]):
             stride = tensor.stride(d)
             if stride == 0 or tensor.shape[d] == 1:
                 continue
@@ -183,7 +183,8 @@ class MemoryTrace:
                     continue
                 offset = access.addresses - base
                 # Within the tensor's span; for the dense tensors the checks pass, the span is the tensor.
-                span = (t.numel() and (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1)) * t.element_size()
+                last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+                span = (t.numel() and (last + 1)) * t.element_size()
                 inside |= (offset >= 0) & (offset < span)
             rest.append(access.addresses[~inside])
         return np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
@@ -331,7 +332,7 @@ def plot_access_comparison(panels: Sequence[AccessPanel], names: tuple[str, str]
         cmap = ListedColormap(["#FFFFFF"] + [colors[v] for v in values])
         lookup = {v: i for i, v in enumerate(keys)}
         diff = panel.differences
-        for col, (name, data) in enumerate(zip(names, (ref, got))):
+        for col, (name, data) in enumerate(zip(names, (ref, got), strict=True)):
             ax = axes[row][col]
             codes = np.vectorize(lookup.get)(data) if data.size else data
             ax.imshow(codes, cmap=cmap, vmin=-0.5, vmax=len(keys) - 0.5, aspect="auto", interpolation="nearest")

@@ -100,8 +100,9 @@ def build_attention_metadata(block_ids: Sequence[Sequence[int]], num_computed_to
     if min(num_new_tokens) < 1 or min(num_computed_tokens) < 0:
         raise ValueError(f"num_new_tokens must be >= 1 and num_computed_tokens >= 0, got {list(num_new_tokens)} and "
                          f"{list(num_computed_tokens)}")
-    seq_lens = [c + q for c, q in zip(num_computed_tokens, num_new_tokens)]
-    slots = [compute_slot_mapping(ids, c, s, block_size) for ids, c, s in zip(block_ids, num_computed_tokens, seq_lens)]
+    seq_lens = [c + q for c, q in zip(num_computed_tokens, num_new_tokens, strict=True)]
+    slots = [compute_slot_mapping(ids, c, s, block_size)
+             for ids, c, s in zip(block_ids, num_computed_tokens, seq_lens, strict=True)]
     qsl = [0]
     for q in num_new_tokens:
         qsl.append(qsl[-1] + q)
@@ -277,7 +278,7 @@ def forward_paged(model: torch.nn.Module, kv_caches: list[KVCache], token_ids: S
     """
     md = build_attention_metadata(block_ids, num_computed_tokens, num_new_tokens, block_size, model.device)
     ids, pos = [], []
-    for toks, c, n in zip(token_ids, num_computed_tokens, num_new_tokens):
+    for toks, c, n in zip(token_ids, num_computed_tokens, num_new_tokens, strict=False):
         if c + n > len(toks):
             raise ValueError(f"asked for tokens up to {c + n} but the request has only {len(toks)}")
         ids.extend(toks[c:c + n])

@@ -16,6 +16,7 @@ under ``vllm/attention/ops/``.
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 
@@ -40,6 +41,18 @@ def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.repeat_interleave(num_heads // num_kv_heads, dim=1)
 
 
+@overload
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int | None = None,
+                        causal: bool = True, scale: float | None = None,
+                        return_lse: Literal[False] = False) -> torch.Tensor: ...
+@overload
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int | None = None,
+                        causal: bool = True, scale: float | None = None, *,
+                        return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int | None = None,
+                        causal: bool = True, scale: float | None = None,
+                        return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -184,8 +184,9 @@ class TorchSDPAAttention:
             n, nb = g.block_table.shape
             # index_select of whole blocks, [n * nb, block_size, Hkv, D] -> [n, Hkv, nb * block_size, D]. (Much
             # faster on a CPU than the equivalent advanced indexing key_cache[block_table].)
-            kd = key_cache.index_select(0, g.block_ids).view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
-            vd = value_cache.index_select(0, g.block_ids).view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+            gathered = (n, nb * block_size, num_kv_heads, head_dim)
+            kd = key_cache.index_select(0, g.block_ids).view(gathered).transpose(1, 2)
+            vd = value_cache.index_select(0, g.block_ids).view(gathered).transpose(1, 2)
             if g.valid is None:  # one query token each: the query heads of one K/V head side by side
                 qd = q[g.rows[:, 0]].view(n, num_kv_heads, group, head_dim)
                 od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask.to(q.dtype))

@@ -81,8 +81,9 @@ def prefill_then_decode(prefill_engine: LLMEngine, decode_engine: LLMEngine,
     same as the decode engine's first, and is not returned).
     """
     ids = list(request_ids) if request_ids is not None else [f"req-{i}" for i in range(len(prompts))]
-    run_requests(prefill_engine, [(rid, p, params.clone(max_tokens=1, min_tokens=0)) for rid, p in zip(ids, prompts)])
-    return run_requests(decode_engine, [(rid, p, params) for rid, p in zip(ids, prompts)])
+    run_requests(prefill_engine, [(rid, p, params.clone(max_tokens=1, min_tokens=0))
+                                  for rid, p in zip(ids, prompts, strict=False)])
+    return run_requests(decode_engine, [(rid, p, params) for rid, p in zip(ids, prompts, strict=False)])
 
 
 def disaggregated_worker(ctx: Any, model: str, prompts: list[list[int]], max_tokens: int,

@@ -119,7 +119,7 @@ class LLM:
                              f"{short_repr(priority)}")
         # Phase 1, nothing added yet: tokenize and check every request (vLLM's Processor.process_inputs).
         processed = []
-        for i, (prompt, params, prio) in enumerate(zip(prompts, params_list, priorities)):
+        for i, (prompt, params, prio) in enumerate(zip(prompts, params_list, priorities, strict=True)):
             rid = str(next(self.request_counter))
             try:
                 processed.append(self.llm_engine.process_inputs(rid, prompt, params, priority=prio))

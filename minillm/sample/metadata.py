@@ -100,7 +100,7 @@ class SamplingMetadata:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
-        temperature = f32([0.0 if g else float(p.temperature) for p, g in zip(params, greedy)])
+        temperature = f32([0.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)])
         top_k = torch.tensor([min(int(p.top_k), TOP_K_CLAMP) for p in params], dtype=torch.int64, device=device)
         top_p = f32([p.top_p for p in params])
         min_p = f32([p.min_p for p in params])
@@ -159,7 +159,8 @@ class SamplingMetadata:
                 min_tokens[r] = self.min_tokens[i]
         return SamplingMetadata(
             temperature=pick(self.temperature), all_greedy=self.all_greedy, all_random=self.all_random,
-            top_k=pick_optional(self.top_k), top_p=pick_optional(self.top_p), min_p=pick_optional(self.min_p), generators={},
+            top_k=pick_optional(self.top_k), top_p=pick_optional(self.top_p), min_p=pick_optional(self.min_p),
+            generators={},
             max_num_logprobs=None, no_penalties=self.no_penalties,
             presence_penalties=pick(self.presence_penalties), frequency_penalties=pick(self.frequency_penalties),
             repetition_penalties=pick(self.repetition_penalties),

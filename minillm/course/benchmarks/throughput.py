@@ -86,7 +86,7 @@ def workload_flops(config: LlamaConfig, workload: Workload) -> int:
     token but the last fed back as a one-token chunk, through every layer; the LM head on one row per output token
     (only sampled rows need logits)."""
     one_layer = 0
-    for prompt, n_out in zip(workload.prompts, workload.output_lens):
+    for prompt, n_out in zip(workload.prompts, workload.output_lens, strict=True):
         one_layer += layer_flops(config, len(prompt), 0)["total"]
         for i in range(n_out - 1):
             one_layer += layer_flops(config, 1, len(prompt) + i)["total"]
@@ -226,7 +226,7 @@ def run_hf_batch(hf_model: Any, workload: Workload, timeout_s: float = 1800.0) -
     start = time.perf_counter()
     try:
         ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-               for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens))]
+               for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))]
         results: dict[str, Any] = {}
         deadline = time.perf_counter() + timeout_s
         while len(results) < len(ids):
@@ -238,7 +238,7 @@ def run_hf_batch(hf_model: Any, workload: Workload, timeout_s: float = 1800.0) -
         seconds = time.perf_counter() - start  # stopping its thread is not timed, like building it
     finally:
         manager.stop(block=True)
-    tokens = [list(results[rid].generated_tokens)[:n] for rid, n in zip(ids, workload.output_lens)]
+    tokens = [list(results[rid].generated_tokens)[:n] for rid, n in zip(ids, workload.output_lens, strict=True)]
     return PeerResult("hf-batch", seconds, workload.num_output_tokens, tokens)
 
 
@@ -268,11 +268,11 @@ def compare_greedy(ours: list[list[int]], theirs: list[list[int]], hf_model: Any
         tie_gap = TIE_GAPS[hf_model.dtype]
     identical = ties = peer = real = 0
     gaps = []
-    for prompt, a, b in zip(workload.prompts, ours, theirs):
+    for prompt, a, b in zip(workload.prompts, ours, theirs, strict=False):
         if a == b:
             identical += 1
             continue
-        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         if i == min(len(a), len(b)):  # one is a prefix of the other: a length bug, not rounding
             real += 1
             continue
@@ -472,7 +472,7 @@ def format_report(report: dict[str, Any]) -> str:
     for name, v in report["tokens_per_second"].items():
         cells = [report.get(f"{ours}_over", {}).get(name) for ours in ("minillm", "minillm-ngram")]
         lines.append(f"{name:<15}{v:>10.1f}" + "".join(" " * w if c is None else f"{c:>{w}.2f}"
-                                                       for c, w in zip(cells, (15, 20))))
+                                                       for c, w in zip(cells, (15, 20), strict=True)))
     tps = report["tokens_per_second"]
     for ours in ("minillm", "minillm-ngram"):
         if "roofline" in tps and ours in tps:

@@ -318,7 +318,8 @@ def autograde_preprocessors() -> list[type]:
 
 
 def _replace(preprocessors: list[type], old: type, new: type) -> list[type]:
-    assert old in preprocessors, f"nbgrader no longer uses {old.__name__}; minillm.course.exercises.nbgrader must follow"
+    assert old in preprocessors, (f"nbgrader no longer uses {old.__name__}; minillm.course.exercises.nbgrader must "
+                                  f"follow")
     return [new if pp is old else pp for pp in preprocessors]
 
 

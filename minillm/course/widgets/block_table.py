@@ -49,7 +49,8 @@ def describe_kv_cache(manager: KVCacheManager, requests: Sequence[Request] = ())
     holders = _holders(manager)
     for b in manager.block_pool.blocks[1:]:
         if b.ref_cnt or b.block_hash is not None:
-            lines.append(f"  {b.block_id:5d}  {b.ref_cnt:3d}  {_short(b.block_hash)}  {','.join(holders.get(b.block_id, []))}")
+            held_by = ",".join(holders.get(b.block_id, []))
+            lines.append(f"  {b.block_id:5d}  {b.ref_cnt:3d}  {_short(b.block_hash)}  {held_by}")
     free = manager.block_pool.free_block_queue.get_all_free_blocks()
     lines.append("  free queue (evicted first -> last): "
                  + " ".join(f"{b.block_id}{'*' if b.block_hash is not None else ''}" for b in free)

@@ -5,8 +5,8 @@ grey, so a learner always sees where the piece in front of them sits in the engi
 ``vllm/v1/engine/llm_engine.py``, ``vllm/v1/core/sched/scheduler.py``, ``vllm/v1/worker/gpu_model_runner.py``), so
 the map is also a map of the real thing.
 
-The figure is a :class:`matplotlib.figure.Figure` made without pyplot (as :mod:`minillm.course.widgets.figure_view` does,
-so no other thread draws it), with a ``_repr_png_``: returned as a cell's last expression, Jupyter shows it.
+The figure is a :class:`matplotlib.figure.Figure` made without pyplot (as :mod:`minillm.course.widgets.figure_view`
+does, so no other thread draws it), with a ``_repr_png_``: returned as a cell's last expression, Jupyter shows it.
 """
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         """After the step: blocks that a load of this step failed to fill (their requests recompute from there)."""
         return set()
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Release what the connector holds (files, receive buffers, pending sends)."""
 
     # -- scheduler side ------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         """The scheduler's :class:`~minillm.core.kv_cache_manager.KVCacheManager` (for the requests' block ids)."""
         self._kv_cache_manager = kv_cache_manager
 
-    def on_new_request(self, request: Request) -> None:
+    def on_new_request(self, request: Request) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """A request was added to the scheduler."""
 
     @abstractmethod
@@ -195,7 +195,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         """This step's plan for the worker side (what to load and save where). Must not change
         ``scheduler_output``; resets the per-step state."""
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """What the worker side reported after the step (arrivals, failures)."""
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

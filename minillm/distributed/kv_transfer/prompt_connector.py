@@ -181,7 +181,8 @@ class PromptKVConnector(KVConnectorBase_V1):
         if self._config.is_kv_producer:
             so = scheduler_output
             starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-            starts.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+            cached = so.scheduled_cached_reqs
+            starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
             for rid, start in starts.items():
                 request = self._requests[rid]
                 num_prompt = request.num_prompt_tokens
@@ -212,7 +213,7 @@ class PromptKVConnector(KVConnectorBase_V1):
             failed = torch.tensor([float(kv is None) for kv in fetched])
             self._tp_group.all_reduce(failed, what="KV load failures")
             fetched = [kv if not failed[i] else None for i, kv in enumerate(fetched)]
-        for load, kv in zip(meta.loads, fetched):
+        for load, kv in zip(meta.loads, fetched, strict=True):
             if kv is None:
                 # Nothing was written: the scheduler recomputes from the first of these blocks.
                 self._invalid_block_ids.update(load.block_ids_of_range(self._block_size))

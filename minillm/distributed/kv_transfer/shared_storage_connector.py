@@ -93,7 +93,8 @@ class SharedStorageConnector(PromptKVConnector):
         tmp = Path(tempfile.mkdtemp(prefix=f".{save.key[:16]}-", dir=self.storage_path))
         try:
             for layer_idx in range(kv.shape[0]):
-                safetensors.torch.save_file({"kv": kv[layer_idx].contiguous()}, str(tmp / f"layer_{layer_idx}.safetensors"))
+                path = tmp / f"layer_{layer_idx}.safetensors"
+                safetensors.torch.save_file({"kv": kv[layer_idx].contiguous()}, str(path))
             meta = {"num_tokens": int(kv.shape[2]), "num_layers": int(kv.shape[0]), "num_kv_heads": int(kv.shape[3]),
                     "head_dim": int(kv.shape[4]), "dtype": str(kv.dtype)}
             (tmp / "meta.json").write_text(json.dumps(meta))
@@ -111,7 +112,8 @@ class SharedStorageConnector(PromptKVConnector):
             raise KVLoadError(f"no complete K/V under {self._dir(load.key)}")
         layers = []
         for layer_idx in range(meta["num_layers"]):
-            layers.append(safetensors.torch.load_file(str(self._dir(load.key) / f"layer_{layer_idx}.safetensors"))["kv"])
+            path = self._dir(load.key) / f"layer_{layer_idx}.safetensors"
+            layers.append(safetensors.torch.load_file(str(path))["kv"])
         shapes = {tuple(t.shape) for t in layers}
         if len(shapes) != 1:
             raise KVLoadError(f"the layers' files disagree on their shape: {sorted(shapes)}")

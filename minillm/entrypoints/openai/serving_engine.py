@@ -84,9 +84,10 @@ def parse_request(model_cls: type[T], raw: bytes) -> T:
     except ValidationError as e:
         errors = e.errors(include_url=False)
         if errors[0]["type"] == "json_invalid":
-            raise OpenAIRequestError(f"The request body is not valid JSON: {errors[0]['msg']}", code="invalid_json")
+            raise OpenAIRequestError(f"The request body is not valid JSON: {errors[0]['msg']}",
+                                     code="invalid_json") from e
         if not errors[0]["loc"]:
-            raise OpenAIRequestError("The request body must be a JSON object", code="invalid_type")
+            raise OpenAIRequestError("The request body must be a JSON object", code="invalid_type") from e
         # A union field (``stop: str | list[str]``) fails once per branch; the deepest failure says the most
         # ("stop.0 should be a string" rather than "stop should be a string").
         err = max(errors, key=lambda x: len(x["loc"]))
@@ -96,12 +97,13 @@ def parse_request(model_cls: type[T], raw: bytes) -> T:
         param = str(err["loc"][0])
         if err["type"] == "missing":
             raise OpenAIRequestError(f"Missing required parameter: '{path}'", param=param,
-                                     code="missing_required_parameter")
+                                     code="missing_required_parameter") from e
         given = err.get("input")
         shown = type(given).__name__ if isinstance(given, (dict, list)) else json.dumps(given)[:80]
         is_type = err["type"].endswith("_type") or err["type"] in ("union_tag_invalid", "literal_error")
         raise OpenAIRequestError(f"Invalid {'type' if is_type else 'value'} for '{path}': {err['msg'].lower()}, "
-                                 f"got {shown}", param=param, code="invalid_type" if is_type else "invalid_value")
+                                 f"got {shown}", param=param,
+                                 code="invalid_type" if is_type else "invalid_value") from e
     if request.model_extra:
         logger.warning("ignoring unknown request fields: %s", summarize_names(request.model_extra))
     return request

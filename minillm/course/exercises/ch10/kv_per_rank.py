@@ -103,8 +103,8 @@ def _bytes_per_block_of_one_head(config: LlamaConfig, block_size: int, dtype_byt
 
 def block_cases() -> list[tuple[str, int, int, int, int]]:
     """``(config name, block_size, dtype_bytes, tp_size, budget_bytes)``: every config at every tensor-parallel size
-    it splits over (the largest first: replicated heads tell the mistakes apart best), fp32 and bf16, two block sizes, and
-    four budgets: 37 blocks exactly, one byte less (36 blocks: rounding up gives 37), one byte less than a block (0
+    it splits over (the largest first: replicated heads tell the mistakes apart best), fp32 and bf16, two block sizes,
+    and four budgets: 37 blocks exactly, one byte less (36 blocks: rounding up gives 37), one byte less than a block (0
     blocks), and 100 MB + 12,345 bytes (off any boundary)."""
     cases = []
     for name, config in CONFIGS.items():

@@ -182,7 +182,7 @@ def apply_sampled(batch: InputBatch, requests: dict[str, CachedRequestState], sc
     drafts were rejected)."""
     if scheduler_output.total_num_scheduled_tokens == 0:
         return
-    for rid, tokens in zip(step.req_ids, step.sampled_token_ids):
+    for rid, tokens in zip(step.req_ids, step.sampled_token_ids, strict=True):
         slot = batch.req_id_to_index[rid]
         requests[rid].token_ids.extend(tokens)
         batch.append_token_ids(slot, tokens)
@@ -211,7 +211,7 @@ def _tokens_differ(got: list[int], want: list[int]) -> str:
         return f"holds the expected {len(want)} tokens and {len(got) - len(want)} more, {got[len(want):]}"
     if len(got) < len(want) and want[:len(got)] == got:
         return f"holds {len(got)} tokens, the expected {len(want)} without the last {want[len(got):]}"
-    i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    i = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     return (f"holds {len(got)} tokens, expected {len(want)}; from position {i} on it holds {got[i:i + 8]}, "
             f"expected {want[i:i + 8]}")
 

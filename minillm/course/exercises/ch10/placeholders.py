@@ -319,7 +319,7 @@ def run_lockstep(scenario: Scenario, learner_cls: type, model: LlamaForCausalLM,
         if turn > MAX_TURNS:
             raise AssertionError(f"In scenario {scenario.name!r}: no progress after {MAX_TURNS} turns")
     want = _run_sync(sync, scenario.requests)  # the tokens every engine must give, once the learner's are in
-    for _, rid, _, params in scenario.requests:
+    for _, rid, _, _ in scenario.requests:
         if got[rid] != want[rid]:
             raise AssertionError(f"In scenario {scenario.name!r}, your engine generated {got[rid]} for {rid!r}, the "
                                  f"synchronous engine {want[rid]}: async scheduling must not change a token")

@@ -124,7 +124,7 @@ def swap_plan(regions: np.ndarray) -> list[tuple[int, int]]:
     out_of_place = np.flatnonzero(regions != wanted)
     # The out-of-place requests in region order (ties in slot order) fill the out-of-place slots in slot order.
     movers = out_of_place[np.argsort(regions[out_of_place], kind="stable")]
-    goes_to = dict(zip(movers.tolist(), out_of_place.tolist()))  # slot -> the slot its request goes to
+    goes_to = dict(zip(movers.tolist(), out_of_place.tolist(), strict=True))  # slot -> the slot its request goes to
     swaps: list[tuple[int, int]] = []
     placed: set[int] = set()
     for first in goes_to:
@@ -292,7 +292,8 @@ def _data_problem(mine: InputBatch, before: InputBatch) -> str | None:
         whose = next((r for r, s in before.req_id_to_index.items() if _slot_data(before, s) == _slot_data(mine, new)),
                      None)
         labels = ("tokens", "prompt length", "context length", "block count", "block-table row")
-        fields = [label for label, a, b in zip(labels, _slot_data(mine, new), _slot_data(before, old)) if a != b]
+        fields = [label for label, a, b in zip(labels, _slot_data(mine, new), _slot_data(before, old), strict=True)
+                  if a != b]
         if whose is not None and whose != rid:
             return (f"{rid!r} moved from slot {old} to slot {new}, but slot {new} holds the data of {whose!r} "
                     f"(its {', '.join(fields)}): you moved the request id but not its data. batch.swap_states(i, j) "

@@ -22,13 +22,14 @@ and ``num_computed_tokens``) and the model runner runs each chunk against the pa
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from minillm.attention.contiguous import ContiguousKVCache
-from minillm.model.llama import LlamaForCausalLM, check_token_ids
+from minillm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, check_token_ids
 
 # ---------------------------------------------------------------------------------------------------------------------
 # How a prompt is cut
@@ -126,7 +127,7 @@ class ProjectionOnlyAttention:
 # One chunk through the model
 
 
-def _kv_projection(self_attn: torch.nn.Module, positions: torch.Tensor, x: torch.Tensor
+def _kv_projection(self_attn: LlamaAttention, positions: torch.Tensor, x: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """K (rotated) and V of ``x`` ``[n, hidden]`` without computing Q: ``[n, num_kv_heads, head_dim]`` each."""
     n = x.shape[0]
@@ -183,7 +184,7 @@ def prefill_chunk(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: t
     inner = model.model
     num_layers = len(inner.layers)
     h = inner.embed_tokens(input_ids)
-    for i, layer in enumerate(inner.layers):
+    for i, layer in enumerate(cast(Iterable[LlamaDecoderLayer], inner.layers)):
         if hidden_states_out is not None:
             hidden_states_out.append(h)
         if kv_only_last_layer and i == num_layers - 1:
@@ -247,6 +248,7 @@ class PrefillRecord:
         for _ in range(max_new_tokens - 1):
             pos = torch.tensor([self.cache.num_tokens], device=model.device)
             h = prefill_chunk(model, torch.tensor([token], device=model.device), pos, self.cache)
+            assert h is not None  # None only with kv_only_last_layer
             with torch.inference_mode():
                 token = int(model.compute_logits(h[-1:])[0].argmax())
             out.append(token)
@@ -265,7 +267,7 @@ def _new_cache(model: LlamaForCausalLM, capacity: int) -> RecordingKVCache:
 def _check_ids(model: LlamaForCausalLM, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """``input_ids`` as a ``[num_tokens]`` int64 tensor on the model's device, checked before any chunk runs."""
     given_tensor = isinstance(input_ids, torch.Tensor)
-    if given_tensor:
+    if isinstance(input_ids, torch.Tensor):
         check_token_ids(input_ids, model.config.vocab_size)  # before the cast to int64, which would truncate floats
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.device)
     if ids.dim() != 1 or ids.numel() == 0:
@@ -287,6 +289,7 @@ def _run(model: LlamaForCausalLM, input_ids: torch.Tensor | Sequence[int], chunk
     residual_chunks: list[list[torch.Tensor]] = []
     for c, (start, end) in enumerate(bounds):
         last = c == len(bounds) - 1
+        attn: ContiguousKVCache | ProjectionOnlyAttention
         if mode == "independent":
             cache = _new_cache(model, end - start)
             caches.append(cache)

@@ -5,9 +5,14 @@ single decode tokens) are appended. Chapter 2 replaces this with a paged cache s
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Self
+
 import torch
 
 from minillm.attention.reference import reference_attention
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaForCausalLM
 
 
 class ContiguousKVCache:
@@ -31,7 +36,7 @@ class ContiguousKVCache:
         self._len = [0] * num_layers
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, capacity: int = 256) -> ContiguousKVCache:
+    def for_model(cls, model: LlamaForCausalLM, capacity: int = 256) -> Self:
         """An empty cache shaped for ``model`` (a :class:`~minillm.model.llama.LlamaForCausalLM`); subclasses get their
         own type."""
         cfg = model.config

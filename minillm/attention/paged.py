@@ -19,12 +19,16 @@ releases had it under ``vllm/attention/ops/``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from minillm.attention.metadata import AttentionMetadata
 from minillm.attention.reference import reference_attention
 from minillm.config import LlamaConfig
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaForCausalLM
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 BACKENDS = ("torch", "triton")
@@ -263,7 +267,7 @@ class PagedAttention:
         self._checked_metadata = md
 
 
-def forward_paged(model: torch.nn.Module, kv_caches: list[KVCache], token_ids: Sequence[Sequence[int]],
+def forward_paged(model: LlamaForCausalLM, kv_caches: list[KVCache], token_ids: Sequence[Sequence[int]],
                   block_ids: Sequence[Sequence[int]], num_computed_tokens: Sequence[int],
                   num_new_tokens: Sequence[int], block_size: int, backend: str = "torch") -> torch.Tensor:
     """One forward pass of a varlen batch through a paged cache: a bare-bones model-runner step.
@@ -277,7 +281,8 @@ def forward_paged(model: torch.nn.Module, kv_caches: list[KVCache], token_ids: S
         ``query_start_loc[i+1] - 1``.
     """
     md = build_attention_metadata(block_ids, num_computed_tokens, num_new_tokens, block_size, model.device)
-    ids, pos = [], []
+    ids: list[int] = []
+    pos: list[int] = []
     for toks, c, n in zip(token_ids, num_computed_tokens, num_new_tokens, strict=False):
         if c + n > len(toks):
             raise ValueError(f"asked for tokens up to {c + n} but the request has only {len(toks)}")

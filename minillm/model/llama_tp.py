@@ -26,7 +26,9 @@ parallel layers, ``vllm/model_executor/models/llama.py`` (``LlamaAttention`` wit
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -41,7 +43,7 @@ from minillm.distributed.parallel_state import (
     simulate_all_reduce,
 )
 from minillm.model.layers import RMSNorm, RotaryEmbedding, share_rotary_cache
-from minillm.model.llama import LlamaForCausalLM, check_token_ids
+from minillm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, check_token_ids
 from minillm.model.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -86,7 +88,7 @@ class TensorParallelAttention(nn.Module):
     vLLM: ``vllm/model_executor/models/llama.py:LlamaAttention``.
     """
 
-    def __init__(self, attn: nn.Module, config: LlamaConfig, tp_rank: int, tp_size: int,
+    def __init__(self, attn: LlamaAttention, config: LlamaConfig, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None) -> None:
         super().__init__()
         self.layer_idx = attn.layer_idx
@@ -126,7 +128,7 @@ class TensorParallelMLP(nn.Module):
     vLLM: ``vllm/model_executor/models/llama.py:LlamaMLP``.
     """
 
-    def __init__(self, mlp: nn.Module, layer_idx: int, tp_rank: int, tp_size: int,
+    def __init__(self, mlp: LlamaMLP, layer_idx: int, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear([mlp.gate_proj, mlp.up_proj], tp_rank, tp_size)
@@ -153,7 +155,7 @@ class TensorParallelDecoderLayer(nn.Module):
     vLLM: ``vllm/model_executor/models/llama.py:LlamaDecoderLayer``.
     """
 
-    def __init__(self, layer: nn.Module, config: LlamaConfig, tp_rank: int, tp_size: int,
+    def __init__(self, layer: LlamaDecoderLayer, config: LlamaConfig, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None) -> None:
         super().__init__()
         self.self_attn = TensorParallelAttention(layer.self_attn, config, tp_rank, tp_size, group)
@@ -182,9 +184,13 @@ class _TensorParallelLlamaModel(nn.Module):
         super().__init__()
         config = model.config
         self.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, tp_rank, tp_size, group)
+        full_layers = cast(Iterable[LlamaDecoderLayer], model.model.layers)
         self.layers = nn.ModuleList(TensorParallelDecoderLayer(layer, config, tp_rank, tp_size, group)
-                                    for layer in model.model.layers)
+                                    for layer in full_layers)
         self.norm = _copy_norm(model.model.norm)
+
+    def layer(self, i: int) -> TensorParallelDecoderLayer:
+        return cast(TensorParallelDecoderLayer, self.layers[i])
 
 
 class TensorParallelLlamaForCausalLM(nn.Module):
@@ -251,7 +257,7 @@ class TensorParallelLlamaForCausalLM(nn.Module):
     @property
     def num_kv_heads(self) -> int:
         """The KV heads this rank holds, in every layer: what its share of the paged KV cache stores."""
-        return self.model.layers[0].self_attn.num_kv_heads
+        return self.model.layer(0).self_attn.num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn: AttentionImpl | None = None) -> torch.Tensor:
@@ -304,8 +310,8 @@ def simulate_tensor_parallel_forward(shards: list[TensorParallelLlamaForCausalLM
     h = simulate_all_reduce([s.embed_partial(input_ids) for s in shards])
     with share_rotary_cache(positions):
         for i in range(len(shards[0].model.layers)):
-            h = h + simulate_all_reduce([s.model.layers[i].attn_partial(positions, h) for s in shards])
-            h = h + simulate_all_reduce([s.model.layers[i].mlp_partial(h) for s in shards])
+            h = h + simulate_all_reduce([s.model.layer(i).attn_partial(positions, h) for s in shards])
+            h = h + simulate_all_reduce([s.model.layer(i).mlp_partial(h) for s in shards])
     return shards[0].model.norm(h)
 
 

@@ -29,10 +29,15 @@ cut from a model already loaded, which is the same slicing.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from minillm.distributed.parallel_state import TensorParallelGroup, check_tp_rank
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaAttention
 
 
 def _weight(full: nn.Module | torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -145,8 +150,8 @@ class MergedColumnParallelLinear(nn.Module):
         self.output_sizes = [s.output_size for s in shards]
         self.output_sizes_per_partition = [s.output_size_per_partition for s in shards]
         self.weight = nn.Parameter(torch.cat([s.weight for s in shards]), requires_grad=False)
-        self.bias = None if shards[0].bias is None else nn.Parameter(torch.cat([s.bias for s in shards]),
-                                                                     requires_grad=False)
+        biases: list[torch.Tensor] = [s.bias for s in shards if s.bias is not None]  # all or none, checked above
+        self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if biases else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[n, in_features]`` -> ``[n, sum(out_i) / tp_size]`` (this rank's slice of each layer, side by side)."""
@@ -255,11 +260,11 @@ class QKVParallelLinear(nn.Module):
         biases = (bq, bk, bv)
         if len({b is None for b in biases}) != 1:
             raise ValueError("either all of q, k, v have a bias or none has")
-        self.bias = None if bq is None else nn.Parameter(torch.cat([bq[qs:qe], bk[ks:ke], bv[ks:ke]]).clone(),
-                                                         requires_grad=False)
+        self.bias = (nn.Parameter(torch.cat([bq[qs:qe], bk[ks:ke], bv[ks:ke]]).clone(), requires_grad=False)
+                     if bq is not None and bk is not None and bv is not None else None)  # all or none: checked
 
     @classmethod
-    def from_attention(cls, attn: nn.Module, tp_rank: int, tp_size: int) -> QKVParallelLinear:
+    def from_attention(cls, attn: LlamaAttention, tp_rank: int, tp_size: int) -> QKVParallelLinear:
         """This rank's shard of a :class:`~minillm.model.llama.LlamaAttention`'s ``q_proj``, ``k_proj``, ``v_proj``."""
         return cls(attn.q_proj, attn.k_proj, attn.v_proj, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                    tp_rank, tp_size)
@@ -348,7 +353,7 @@ class VocabParallelEmbedding(nn.Module):
     ``get_masked_input_and_mask``).
     """
 
-    def __init__(self, full: nn.Embedding | torch.Tensor, tp_rank: int, tp_size: int,
+    def __init__(self, full: nn.Embedding | nn.Linear | torch.Tensor, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None = None, name: str = "embed_tokens") -> None:
         super().__init__()
         weight, _ = _weight(full, type(self).__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 # Below this temperature a request is sampled greedily (vLLM uses the same threshold, ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
@@ -33,9 +33,10 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
-def is_int(x: object) -> bool:
+def is_int(x: object) -> TypeGuard[int]:
     """A Python, NumPy or other ``numbers.Integral`` integer, but not a bool: ``bool`` is an int subclass, and
-    ``max_tokens=True`` (or a token id, a rank, a seed of ``True``) is a bug, not 1."""
+    ``max_tokens=True`` (or a token id, a rank, a seed of ``True``) is a bug, not 1. (For the type checker an
+    ``int``: every ``Integral`` compares and converts with ``int()`` as one.)"""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 

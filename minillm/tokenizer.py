@@ -7,6 +7,7 @@ tokenizer is loaded by ``vllm/tokenizers/hf.py:CachedHfTokenizer``); older relea
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,6 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+    if isinstance(ids, Mapping):  # transformers >= 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,9 @@ import torch.distributed as dist
 from minillm.attention.reference import merge_attn_states, reference_attention
 from minillm.distributed.comm import CommStats, RingExchange, all_gather_kv
 from minillm.distributed.splits import ContextSplit, Piece
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaForCausalLM
 
 STRATEGIES = ("allgather", "ring")
 
@@ -198,7 +202,7 @@ class RankPrefillOutput:
 
 
 @torch.inference_mode()
-def context_parallel_forward(model: torch.nn.Module, input_ids: torch.Tensor, split: ContextSplit,
+def context_parallel_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, split: ContextSplit,
                              group: dist.ProcessGroup, strategy: str = "allgather", timeout_s: float = 60.0,
                              fail_at_layer: int | None = None, fail_mode: str = "raise") -> RankPrefillOutput:
     """Run this rank's share of a prefill; call it on every rank of ``group`` at the same time.
@@ -227,6 +231,8 @@ def context_parallel_forward(model: torch.nn.Module, input_ids: torch.Tensor, sp
     logits = None
     if rank == split.last_token_rank:
         logits = model.compute_logits(hidden[-1:])[0]  # the final position is this rank's last local row
-    k, v = attn.kv_shard[-1]
+    last = attn.kv_shard[-1]
+    assert last is not None  # the forward pass ran every layer
+    k, v = last
     return RankPrefillOutput(rank, positions, hidden, torch.stack([k, v]), logits, attn.stats.bytes_sent,
                              attn.score_entries, attn.attn_cpu_s, forward_cpu_s, forward_wall_s, attn.stats.wait_s)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from minillm.config import LlamaConfig
 from minillm.distributed.parallel_state import TensorParallelGroup, check_timeout
 from minillm.executor.multiproc_executor import MultiprocExecutor, WorkerError, check_importable_function
 from minillm.sampling_params import is_int
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaForCausalLM
 
 # Beyond the job's own timeout (which every collective inside it uses), how long the caller waits for its answer:
 # loading nothing, a job may still spend a while after its last collective (building an engine, gathering outputs).
@@ -46,7 +49,7 @@ class WorkerContext:
     rank: int
     world_size: int
     group: Any
-    models: dict[str, torch.nn.Module]
+    models: dict[str, LlamaForCausalLM]
     timeout_s: float
 
 
@@ -59,7 +62,7 @@ class JobWorker:
         models: name -> model (already in this process: the executor sent them).
     """
 
-    def __init__(self, rank: int, tp_group: TensorParallelGroup, models: dict[str, torch.nn.Module]) -> None:
+    def __init__(self, rank: int, tp_group: TensorParallelGroup, models: dict[str, LlamaForCausalLM]) -> None:
         import torch.distributed as dist
 
         self.rank = rank
@@ -94,7 +97,7 @@ class JobExecutor(MultiprocExecutor):
             outs = ex.run_job(my_module.my_function, world_size=3, kwargs={"n": 4})  # one result per rank
     """
 
-    def __init__(self, models: dict[str, torch.nn.Module], world_size: int, timeout_s: float = 60.0,
+    def __init__(self, models: dict[str, LlamaForCausalLM], world_size: int, timeout_s: float = 60.0,
                  start_timeout_s: float = 180.0, error_cls: type[Exception] = WorkerError) -> None:
         if not models:
             raise ValueError("give at least one model")

@@ -129,6 +129,7 @@ def make_split(num_tokens: int, world_size: int, kind: str = "plain") -> Context
         raise ValueError(f"a {kind} split over {world_size} ranks needs at least {num_pieces} tokens "
                          f"(one per piece), got num_tokens={num_tokens}")
     cut = _cut(num_tokens, num_pieces)
+    pieces: tuple[tuple[Piece, ...], ...]
     if kind == "plain":
         pieces = tuple((cut[r],) for r in range(world_size))
     else:

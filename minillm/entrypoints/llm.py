@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -187,7 +187,8 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` dicts) or a list of conversations, with the
         model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = ([cast(Messages, messages)] if messages and isinstance(messages[0], dict)
+                         else list(cast(Sequence[Messages], messages)))
         if not conversations or any(not c for c in conversations):
             raise ValueError("chat needs at least one non-empty conversation")
         tok = self.llm_engine.tokenizer

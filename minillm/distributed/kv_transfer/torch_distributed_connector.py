@@ -203,7 +203,7 @@ class TorchDistributedConnector(PromptKVConnector):
         if self._receiver is None:
             self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="kv-receiver")
             self._receiver.start()
-        arrived = set()
+        arrived: set[str] = set()
         while True:
             try:
                 rid, payload = self._inbox.get_nowait()
@@ -245,8 +245,9 @@ class TorchDistributedConnector(PromptKVConnector):
             for _, thread in list(self._sending.values()):
                 thread.join(timeout=max(0.0, end - time.monotonic()))
             self._sending.clear()
-            dist.isend(make_header("", CLOSE, 0), self.peer_rank, group=self.group,
-                       tag=HEADER_TAG).wait(timeout=timedelta(seconds=max(0.001, end - time.monotonic())))
+            goodbye = dist.isend(make_header("", CLOSE, 0), self.peer_rank, group=self.group, tag=HEADER_TAG)
+            assert goodbye is not None  # None only on a rank outside the group
+            goodbye.wait(timeout=timedelta(seconds=max(0.001, end - time.monotonic())))
         if self._config.is_kv_consumer and self._receiver is not None:
             self._receiver.join(timeout=max(0.0, end - time.monotonic()))
             self._received.clear()

@@ -76,15 +76,11 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-try:
-    import uvicorn
-except ImportError:  # pragma: no cover - the server's extra is not installed; build_app still works
-    uvicorn = None
 
 from minillm.engine.async_llm import AsyncLLM, EngineDeadError
 from minillm.entrypoints.openai.middleware import (
@@ -265,7 +261,7 @@ def build_app(engine: Any, served_model_name: str | None = None, *, api_key: str
     return app
 
 
-class GracefulServer(uvicorn.Server if uvicorn is not None else object):  # type: ignore[misc]
+class GracefulServer(uvicorn.Server):
     """uvicorn's server, with a shutdown that does not wait for requests in flight, and an exit without re-raising.
 
     uvicorn's own graceful shutdown waits for every open request to finish: with a long stream in flight,

@@ -252,7 +252,7 @@ def simulate(scheduler: Scheduler, workload: Sequence[WorkloadRequest], runner: 
         for out in scheduler.update_from_output(so, mro):
             result.outputs[out.request_id].extend(out.new_token_ids)
             result.first_token_step.setdefault(out.request_id, step)
-            if out.finished:
+            if out.finish_reason is not None:  # finished
                 result.finish_reasons[out.request_id] = out.finish_reason
                 result.finish_step[out.request_id] = step
         step += 1

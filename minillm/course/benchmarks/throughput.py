@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -39,6 +40,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -300,8 +302,9 @@ def load_hf_model(progress: bool = False, dtype: torch.dtype = torch.float32) ->
     from minillm.loaders.model_path import default_model_path
 
     path = default_model_path()
+    gguf_utils: Any  # the module whose tqdm is swapped during the load; None if transformers moved it
     try:  # transformers' GGUF conversion draws its own progress bar, ignoring its progress-bar switch
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     except ImportError:  # pragma: no cover
         gguf_utils = None
     bar = getattr(gguf_utils, "tqdm", None)
@@ -318,6 +321,11 @@ def load_hf_model(progress: bool = False, dtype: torch.dtype = torch.float32) ->
         hf_logging.set_verbosity(verbosity)
         if bar is not None:
             gguf_utils.tqdm = bar
+
+
+def _found(llama_bin: Path | None) -> Path:
+    assert llama_bin is not None, "llama.cpp runs only when a build was found"
+    return llama_bin
 
 
 def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any = None, tokenizer: Any = None,
@@ -378,7 +386,7 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
                                                     **{**(engine_args or {}), "speculative_config": NGRAM_SPEC}),
                "hf-padded": lambda: run_hf_padded(hf_model, workload),
                "hf-batch": lambda: run_hf_batch(hf_model, workload),
-               "llama.cpp": lambda: run_llama_cpp(llama_bin, workload, model.dtype, torch.get_num_threads())}
+               "llama.cpp": lambda: run_llama_cpp(_found(llama_bin), workload, model.dtype, torch.get_num_threads())}
     peak = 0.0
     for round_ in range(repeat):
         for name in (p for p in PEERS if p in peers):

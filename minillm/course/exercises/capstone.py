@@ -316,8 +316,8 @@ CAPSTONE_QUESTIONS = (
     "Name a fruit that is yellow.",
 )
 SAMPLED_PROMPT = "The three primary colours are"
-CAPSTONE_ARGS = dict(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=56,
-                     enable_prefix_caching=True, enable_chunked_prefill=True)
+CAPSTONE_ARGS: dict[str, Any] = dict(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=16, max_num_seqs=4,
+                                     max_model_len=56, enable_prefix_caching=True, enable_chunked_prefill=True)
 MAX_TOKENS = 10
 
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.course.widgets.figure_view import COLORS as _COLORS
@@ -129,7 +130,7 @@ class BlockTableWidget:
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self.prompts = dict(prompts or {"A": list(range(1, 11)), "B": list(range(1, 7)) + [50, 51, 52]})
         self.reset()
-        self._ui = None
+        self._ui: dict[str, Any] = {}  # the widgets, once ui() has built them
 
     def reset(self) -> str:
         """Start over with an empty pool."""

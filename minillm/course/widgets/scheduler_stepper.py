@@ -235,7 +235,7 @@ class SchedulerStepper:
         self.result.steps.append(record)
         for out in sched.update_from_output(so, self.runner.execute_model(so)):
             self.result.outputs[out.request_id].extend(out.new_token_ids)
-            if out.finished:
+            if out.finish_reason is not None:  # finished
                 self.result.finish_reasons[out.request_id] = out.finish_reason
         head = (f"step {record.step}: {so.total_num_scheduled_tokens}/{sched.max_num_scheduled_tokens} tokens, "
                 f"running {record.num_running}, waiting {record.num_waiting}, KV blocks in use "

@@ -96,9 +96,10 @@ def request_regions(input_batch: InputBatch, scheduler_output: SchedulerOutput,
     """
     _check_threshold(decode_threshold)
     n = input_batch.num_reqs
-    ids = input_batch.req_ids
-    if len(ids) != n or None in ids:
-        raise ValueError(f"the batch has holes (slots {ids}): reorder a condensed batch, after condense()")
+    slots = input_batch.req_ids
+    if len(slots) != n or None in slots:
+        raise ValueError(f"the batch has holes (slots {slots}): reorder a condensed batch, after condense()")
+    ids = [rid for rid in slots if rid is not None]  # all of them: no holes
     missing = [rid for rid in ids if rid not in scheduler_output.num_scheduled_tokens]
     if missing:
         raise ValueError(f"requests {missing} are in the batch but not scheduled in this step: reorder after the "
@@ -255,6 +256,7 @@ def _slot_data(batch: InputBatch, slot: int) -> tuple:
 def _describe(batch: InputBatch, slot: int, so: SchedulerOutput, threshold: int) -> str:
     """``'c', a short extend (1 token scheduled, 20 of its 21 prompt tokens computed)``."""
     rid = batch.req_ids[slot]
+    assert rid is not None, f"slot {slot} is a hole"
     n, computed, prompt = so.num_scheduled_tokens[rid], int(batch.num_computed_tokens_cpu[slot]), \
         int(batch.num_prompt_tokens[slot])
     region = int(request_regions(batch, so, threshold)[slot])
@@ -267,18 +269,24 @@ def _describe(batch: InputBatch, slot: int, so: SchedulerOutput, threshold: int)
     return f"{rid!r}, a {REGION_NAMES[region]} ({why})"
 
 
+def _index_of(batch: InputBatch, rid: str | None) -> int | None:
+    """``batch.req_id_to_index.get(rid)``, for a slot that may be a hole."""
+    return None if rid is None else batch.req_id_to_index.get(rid)
+
+
 def _structure_problem(mine: object, before: InputBatch) -> str | None:
     if not isinstance(mine, InputBatch):
         return f"input_batch must stay the InputBatch it was given, now it is a {type(mine).__name__}"
     ids = list(mine.req_ids)
-    if sorted(r for r in ids if r is not None) != sorted(before.req_ids) or None in ids:
+    held = sorted(r for r in ids if r is not None)
+    if held != sorted(r for r in before.req_ids if r is not None) or None in ids:
         return (f"the batch held {list(before.req_ids)} and holds {ids} after your function: reordering keeps "
                 f"every request, and no holes")
-    wrong = [(rid, i) for i, rid in enumerate(ids) if mine.req_id_to_index.get(rid) != i]
+    wrong = [(rid, i) for i, rid in enumerate(ids) if _index_of(mine, rid) != i]
     if wrong or len(mine.req_id_to_index) != len(ids):
         rid, i = wrong[0] if wrong else (None, None)
         return (f"req_ids and req_id_to_index disagree: slot {i} holds {rid!r}, but req_id_to_index says "
-                f"{mine.req_id_to_index.get(rid)}; batch.swap_states(i, j) keeps both in step"
+                f"{_index_of(mine, rid)}; batch.swap_states(i, j) keeps both in step"
                 if wrong else f"req_id_to_index has {len(mine.req_id_to_index)} entries for {len(ids)} requests")
     return None
 

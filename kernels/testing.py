@@ -1,4 +1,4 @@
-"""Random paged batches and a plain-PyTorch reference for them: what the kernel tests and chapter 3 check against.
+"""Random paged batches and a plain-PyTorch reference for them: what the kernel tests check against.
 
 :func:`make_paged_batch` builds a varlen batch (some prefills, some chunks with a cached context, some decodes)
 with each request's blocks scattered at random over the cache, exactly the shapes vLLM hands its attention kernel.

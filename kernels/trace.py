@@ -1,30 +1,14 @@
 """Which memory does a Triton kernel read and write? Record it in Triton's interpreter, and draw it.
 
-Under ``TRITON_INTERPRET=1`` every ``tl.load`` and ``tl.store`` of a kernel ends in one of two methods of the
-interpreter's builder (triton 3.9.0, ``triton/runtime/interpreter.py``): ``InterpreterBuilder.create_masked_load``
-and ``InterpreterBuilder.create_masked_store`` (the unmasked ``create_load`` / ``create_store`` call them with an
-all-true mask). Each receives the tensor of byte addresses of the block being accessed and its mask.
-:func:`trace_memory` wraps both methods for the length of a ``with`` block, and restores them after it; every access
-becomes an :class:`Access` (the addresses of the lanes the mask let through, the program id, the element size).
+Under ``TRITON_INTERPRET=1`` every ``tl.load`` / ``tl.store`` ends in ``InterpreterBuilder.create_masked_load`` or
+``create_masked_store`` (triton 3.9.0, ``triton/runtime/interpreter.py``) with the byte addresses and the mask.
+:func:`trace_memory` wraps both for a ``with`` block; each access becomes an :class:`Access`. Addresses map back to
+elements of the tensors you ask about (:meth:`MemoryTrace.touched`); the rest are reads or writes *outside* them
+(:meth:`MemoryTrace.outside`): a missing mask, a wrong offset. GPU tensors are copied to host per launch, and
+mapped back. :func:`interpreted` gives an interpreted twin of a compiled kernel. :func:`owner_map` and
+:func:`plot_access_comparison` draw the reference kernel's accesses beside yours.
 
-Addresses are then mapped back to tensors: an address ``a`` is element ``(a - t.data_ptr()) / t.element_size()`` of
-tensor ``t``, unravelled with ``t``'s strides into an index. :meth:`MemoryTrace.touched` gives, for the leading
-``dims`` axes of a tensor (the cache blocks and rows of a paged KV cache ``[num_blocks, block_size, heads,
-head_dim]`` with ``dims=2``), which ones the kernel touched. Addresses that fall in no tensor you ask about are
-reads or writes *outside* them (:meth:`MemoryTrace.outside`): a missing mask, a wrong offset.
-
-The interpreter copies tensors that live on a GPU to host memory before a launch, so their addresses are host ones;
-the tracer also wraps ``GridExecutor._init_args_hst`` to learn, per launch, where each argument's storage was copied,
-and maps those addresses back. A kernel that runs *compiled* (a GPU without ``TRITON_INTERPRET=1``) records
-nothing: :func:`interpreted` returns an interpreted twin of a ``@triton.jit`` kernel for tracing.
-
-Not recorded: tensor-descriptor loads and stores (``tl.make_tensor_descriptor``), atomics, and ``tl.device_print``.
-
-:func:`owner_map` and :func:`plot_access_comparison` turn traces into the side-by-side heatmaps of chapter 3's
-exercises (the reference kernel's reads next to yours, the differences marked), in the spirit of Triton-Puzzles'
-memory diagrams.
-
-vLLM counterpart: none; a course tool for looking inside a kernel.
+vLLM counterpart: none; a tool for looking inside a kernel.
 """
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
-"""Prefill of one prompt in chunks over a contiguous KV cache, and the wrong shortcuts chapter 1 measures.
+"""Prefill of one prompt in chunks over a contiguous KV cache, and two wrong shortcuts to measure against it.
 
-*Chunked prefill* runs a prompt of ``T`` tokens as chunks ``c = 0, 1, ...`` of ``n_c`` tokens, in order. Chunk ``c``
-starts at absolute position ``ctx_c = n_0 + ... + n_{c-1}``; at every layer it appends its own K/V to the cache and
-attends over all ``ctx_c + n_c`` cached tokens (:func:`prefill_chunk`). Run with every chunk this is the same
-computation as one full prefill, up to fp32 rounding (:func:`chunked_prefill`).
+Chunk ``c`` of a prompt starts at position ``ctx_c = n_0 + ... + n_{c-1}``; at every layer it appends its K/V to the
+cache and attends over all ``ctx_c + n_c`` cached tokens (:func:`prefill_chunk`). All chunks in order give one full
+prefill, up to fp32 rounding (:func:`chunked_prefill`). Wrong: :func:`independent_chunks_prefill` (each chunk
+alone, an empty cache) and :func:`last_chunk_attention_prefill` (earlier chunks skip attention). Right: earlier
+chunks may stop at the last layer's K/V projection (``kv_only_last_layer``): later tokens read only their K/V.
 
-Two shortcuts that a plausible but wrong reading of chunked prefill suggests are here too, so their error can be
-measured on the real model:
-
-- :func:`independent_chunks_prefill`: every chunk runs alone (correct positions, empty cache), as if K/V of a chunk
-  depended only on its own tokens;
-- :func:`last_chunk_attention_prefill`: earlier chunks compute their K/V but skip attention (the attention sub-layer
-  adds nothing to their residual stream); only the last chunk attends.
-
-And one shortcut that is right: earlier chunks may stop at the last layer's K/V projection (``kv_only_last_layer``),
-because no later token reads anything of theirs except K/V.
-
-vLLM counterpart: the scheduler splits a prompt into chunks (``vllm/v1/core/sched/scheduler.py``, the token budget
-and ``num_computed_tokens``) and the model runner runs each chunk against the paged KV cache
+vLLM counterpart: the scheduler cuts a prompt into chunks (``vllm/v1/core/sched/scheduler.py``, the token budget
+and ``num_computed_tokens``) and the model runner runs each against the paged KV cache
 (``vllm/v1/worker/gpu_model_runner.py``), computing logits only at ``logits_indices``.
 """
 from __future__ import annotations

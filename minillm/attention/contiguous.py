@@ -1,7 +1,9 @@
 """A contiguous KV cache for one sequence: the simplest place K/V history can live.
 
 Each layer keeps ``K`` and ``V`` as ``[num_tokens, num_kv_heads, head_dim]`` buffers that grow as chunks (or
-single decode tokens) are appended. Chapter 2 replaces this with a paged cache shared by many sequences.
+single decode tokens) are appended. The engine uses the paged cache (:mod:`minillm.attention.paged`) instead.
+
+vLLM counterpart: none; vLLM keeps K/V only in a paged cache.
 """
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
 """The paged KV cache: fixed-size blocks of K/V shared by all requests, found through block tables.
 
-Per layer, K and V each live in one tensor ``[num_blocks, block_size, num_kv_heads, head_dim]``. A request owns a
-list of block ids (its row of the ``block_table``, handed out by :class:`~minillm.core.KVCacheManager`); its token
-at position ``p`` lives in block ``block_ids[p // block_size]`` at offset ``p % block_size``, i.e. at the flat
-*slot* ``block_id * block_size + offset`` of the cache viewed as ``[num_blocks * block_size, num_kv_heads,
-head_dim]``. A step's ``slot_mapping`` lists the slot of every new token, so writing the step's K/V is a single
-scatter (``reshape_and_cache``), whatever requests and positions the tokens belong to.
-
-This module has the PyTorch versions (the reference the Triton kernels of chapter 3 are checked against) and
-:class:`PagedAttention`, the :class:`~minillm.attention.backend.AttentionImpl` that lets the model attend through a
-paged cache with either backend.
+Per layer, K and V each live in ``[num_blocks, block_size, num_kv_heads, head_dim]``. A request's token at position
+``p`` lives in block ``block_ids[p // block_size]`` at offset ``p % block_size``: flat *slot* ``block_id *
+block_size + offset``. A step's ``slot_mapping`` lists every new token's slot, so writing the step's K/V is one
+scatter (``reshape_and_cache``). Here: the PyTorch versions (the Triton kernels' reference) and
+:class:`PagedAttention`, the :class:`~minillm.attention.backend.AttentionImpl` over a paged cache.
 
 vLLM counterparts: ``vllm/v1/worker/block_table.py`` (``BlockTable``, ``compute_slot_mapping``),
 ``vllm/_custom_ops.py`` (``reshape_and_cache_flash``), ``vllm/v1/attention/backends/triton_attn.py``
-(``TritonAttentionImpl``), ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``; older
-releases had it under ``vllm/attention/ops/``).
+(``TritonAttentionImpl``), ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``).
 """
 from __future__ import annotations
 

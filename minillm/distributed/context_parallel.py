@@ -1,13 +1,8 @@
-"""Context-parallel prefill: the chunks of one prompt on several ranks at once, advancing layer by layer together.
+"""Context-parallel prefill: the pieces of one prompt on several ranks at once, advancing layer by layer together.
 
-Rank ``r`` holds the tokens of its pieces of the prompt (:mod:`minillm.distributed.splits`) and runs the unchanged
-model on them. The only place a token needs another rank's tokens is attention, so the model is given
-:class:`ContextParallelAttention` as its ``attn``: at every layer it exchanges K/V with the other ranks
-(:mod:`minillm.distributed.comm`) and applies the causal rule by *absolute* position. Embedding, norms, projections,
-RoPE (positions are passed explicitly) and the MLP are per token and need nothing from anyone.
-
-:class:`~minillm.distributed.context_parallel_executor.ContextParallelExecutor` starts the processes for you. Under
-``torchrun`` (one process per rank, ``MASTER_ADDR``/``MASTER_PORT`` set for you) the same code runs as::
+Rank ``r`` runs the unchanged model on its pieces (:mod:`minillm.distributed.splits`). Only attention needs other
+ranks' tokens, so the model gets :class:`ContextParallelAttention` as its ``attn``: at every layer it exchanges K/V
+(:mod:`minillm.distributed.comm`) and applies the causal rule by *absolute* position. Under ``torchrun``::
 
     dist.init_process_group("gloo")
     split = make_split(len(ids), dist.get_world_size(), "zigzag")
@@ -15,10 +10,7 @@ RoPE (positions are passed explicitly) and the MLP are per token and need nothin
 
 vLLM counterparts: ``prefill_context_parallel_size`` in ``ParallelConfig`` (``vllm/config/parallel.py``), the group
 ``get_pcp_group()`` (``vllm/distributed/parallel_state.py``), token partitioning in
-``vllm/v1/worker/gpu/pcp_manager.py`` (``PCPManager.partition_batch``; older releases did it in
-``vllm/v1/worker/cp_utils.py``), and the attention backends that support it (``AttentionBackend.supports_pcp`` in
-``vllm/v1/attention/backend.py``). Ring attention: Liu et al., "Ring Attention with
-Blockwise Transformers for Near-Infinite Context" (2023).
+``vllm/v1/worker/gpu/pcp_manager.py`` (``PCPManager.partition_batch``).
 """
 from __future__ import annotations
 

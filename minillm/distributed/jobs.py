@@ -1,16 +1,13 @@
-"""Chapters 7 and 9's jobs: one-off functions run on the first ``k`` ranks of an executor whose ranks hold full
-models.
+"""One-off jobs on the first ``k`` ranks of an executor whose ranks hold full models.
 
-The engine's :class:`~minillm.executor.multiproc_executor.MultiprocExecutor` runs the same call on every rank. Chapters
-7 and 9 use it with a different worker: :class:`JobWorker` holds whole models (sent once, as shared memory) and one
-gloo sub-group per size ``k`` (ranks ``0 ... k-1``), so one set of processes serves 2-, 3- and 4-rank jobs alike.
-:class:`JobExecutor` is that executor; :meth:`JobExecutor.run_job` runs a job function ``fn(ctx, **kwargs)`` on ranks
-``0 ... k-1`` (the others return at once) and hands each a :class:`WorkerContext`: its rank, the job's group, the
-models and the job's timeout.
+:class:`JobWorker` holds whole models (sent once, as shared memory) and one gloo sub-group per size ``k`` (ranks
+``0 ... k-1``), so one set of processes serves 2-, 3- and 4-rank jobs alike. :class:`JobExecutor` is the engine's
+:class:`~minillm.executor.multiproc_executor.MultiprocExecutor` with that worker; :meth:`JobExecutor.run_job` runs
+``fn(ctx, **kwargs)`` on ranks ``0 ... k-1`` with a :class:`WorkerContext` (rank, group, models, timeout).
 
 vLLM counterpart: ``MultiprocExecutor.collective_rpc`` with a callable (``vllm/v1/executor/multiproc_executor.py``),
-which runs it as ``fn(worker, *args, **kwargs)`` on every worker (``vllm/v1/serial_utils.py:run_method``); vLLM has
-no sub-groups of the first ``k`` ranks, a convenience of this course's chapters.
+run as ``fn(worker, *args, **kwargs)`` on every worker (``vllm/v1/serial_utils.py:run_method``); vLLM has no
+sub-groups of the first ``k`` ranks.
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
-"""``LLM``: offline batch inference in three lines, with vLLM's signature.
-
-::
-
-    from minillm.entrypoints.llm import LLM
-    from minillm.sampling_params import SamplingParams
+"""``LLM``: offline batch inference in three lines, with vLLM's signature::
 
     llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
     outputs = llm.generate(["Hello, my name is", "The capital of France is"], SamplingParams(temperature=0))
     print(outputs[0].outputs[0].text)
 
-``generate`` adds every prompt to an :class:`~minillm.engine.llm_engine.LLMEngine`, then collects its steps until all
-are finished: continuous batching, chunked prefill, prefix caching and preemption all happen inside, configured by the
-engine arguments given to ``LLM(...)``.
+``generate`` adds every prompt to an :class:`~minillm.engine.llm_engine.LLMEngine` and steps it until all are
+finished; ``generate_stream`` (not in vLLM's ``LLM``) yields the text as it grows.
 
-vLLM counterpart: ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LLM.chat``); ``LLM`` inherits ``_run_engine``
-with its tqdm bar from ``vllm/entrypoints/common/offline.py:OfflineInferenceMixin._run_engine``.
-``generate_stream`` is not in vLLM's ``LLM`` (vLLM streams through ``AsyncLLM.generate``); it is here so a notebook
-can watch the text grow without a server.
+vLLM counterpart: ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LLM.chat``), whose ``_run_engine`` comes from
+``vllm/entrypoints/common/offline.py:OfflineInferenceMixin._run_engine``.
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ Three things happen between the file and the model:
    Face to the two *halves* ``(x_i, x_{i+d/2})``. Its converter therefore reorders the rows of ``attn_q`` and
    ``attn_k`` within each head; we put them back so the "rotate half" RoPE of :mod:`minillm.model.layers` is right.
 3. **Renaming.** ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight`` and so on.
+
+vLLM counterpart: ``vllm/model_executor/model_loader/`` loads safetensors checkpoints; v0.33.0 has no GGUF loader.
 """
 from __future__ import annotations
 

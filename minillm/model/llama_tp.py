@@ -1,28 +1,14 @@
 """The Llama model split across ``tp_size`` ranks by tensor parallelism (Megatron-style), one rank's view.
 
-Each rank runs every layer on every token, but with a slice of each weight matrix:
+Each rank runs every layer on every token with a slice of each weight: attention's ``qkv_proj`` (column-parallel by
+heads) and ``o_proj`` (row-parallel), the MLP's ``gate_up_proj`` and ``down_proj`` likewise, each pair finished by
+**one all-reduce**; the embedding split by vocabulary (one all-reduce), the LM head too (one all-gather); the norms
+replicated. A forward pass of ``n`` tokens costs ``1 + 2 * num_layers`` all-reduces of ``[n, hidden]``.
+:func:`simulate_tensor_parallel_forward` runs all ranks' shards in one process, summing their partials itself.
+``minillm/model/llama.py`` stays the single-process model, with separate ``q_proj``/``k_proj``/``v_proj``.
 
-- attention: ``qkv_proj`` (column-parallel by heads) gives this rank's query heads and the KV heads they read;
-  attention runs on those heads only (heads never talk to each other inside attention); ``o_proj`` (row-parallel)
-  turns this rank's heads into a partial residual update, and **one all-reduce** sums the ranks' partials;
-- MLP: ``gate_up_proj`` (column-parallel) gives this rank's slice of the intermediate features, ``silu(gate) * up``
-  is per feature so it needs nothing from the others, ``down_proj`` (row-parallel) gives a partial, and **one
-  all-reduce** sums them;
-- the embedding is split by vocabulary (one all-reduce), the LM head too (one all-gather of the logits);
-- the norms are tiny and replicated: every rank holds the full residual stream after each all-reduce.
-
-So a forward pass of ``n`` tokens costs ``1 + 2 * num_layers`` all-reduces of ``[n, hidden]`` and the logits one
-all-gather (:func:`~minillm.distributed.tensor_parallel.expected_all_reduce_bytes`).
-
-A rank built without a group (``tp_rank``, ``tp_size`` only) cannot communicate;
-:func:`simulate_tensor_parallel_forward` runs such shards of all ranks in one process, layer by layer in lockstep, summing their partial outputs itself. It
-is the same arithmetic as the real run with the all-reduce replaced by
-:func:`~minillm.distributed.parallel_state.simulate_all_reduce`.
-
-Why a separate file: ``minillm/model/llama.py`` stays the single-process model the earlier chapters read line by
-line (separate ``q_proj``/``k_proj``/``v_proj``); in vLLM there is only one model, already written with the
-parallel layers, ``vllm/model_executor/models/llama.py`` (``LlamaAttention`` with ``qkv_proj`` and ``o_proj``,
-``LlamaMLP`` with ``gate_up_proj`` and ``down_proj``), which with ``tensor_parallel_size=1`` is the plain model.
+vLLM counterpart: ``vllm/model_executor/models/llama.py`` (``LlamaAttention`` with ``qkv_proj`` and ``o_proj``,
+``LlamaMLP`` with ``gate_up_proj`` and ``down_proj``), one model for every ``tensor_parallel_size``.
 """
 from __future__ import annotations
 

@@ -1,60 +1,17 @@
 """``minillm serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn, the stack vLLM uses).
 
-Routes:
-
-==========================  ==========================================================================================
-``GET  /v1/models``          the one served model (``id`` = ``--served-model-name``, default the model file's name)
-``POST /v1/completions``     Completions API (``prompt``, ``max_tokens`` default 16, ``stream``, ...)
-``POST /v1/chat/completions`` Chat Completions API (``messages``, ``max_completion_tokens`` > ``max_tokens`` > room)
-``GET  /health``             200 while the engine loop runs, 503 once it has stopped
-``GET  /debug/kv_cache``     a minillm extra: the engine's KV cache and request counters (JSON), e.g.
-                             ``{"num_blocks": 1025, "num_free_blocks": 1024, "kv_cache_usage": 0.0,
-                             "num_unfinished_requests": 0, "num_requests_total": 3, "num_finished": 2,
-                             "num_aborted": 1, "num_steps": 40}``. When no request runs, ``num_free_blocks`` is
-                             ``num_blocks - 1`` (the null block is never free): that is how the tests see that a
-                             client that hung up got its blocks back.
-==========================  ==========================================================================================
-
-One :class:`~minillm.engine.async_llm.AsyncLLM` owns the engine: by default its engine core runs in a process of its
-own (``MINILLM_ENABLE_V1_MULTIPROCESSING=1``; async scheduling on a GPU, or with ``--async-scheduling``) and one
-task on the event loop takes its outputs; with an engine object given (``build_app(llm)``, :class:`BackgroundServer`) a background thread steps it. Every HTTP
-connection is an asyncio task that submits its request and reads its outputs. A client that disconnects has its
-request aborted (streaming: Starlette cancels the response generator; non-streaming: a watcher notices the
-``http.disconnect`` message and cancels the handler), which frees its KV blocks at once.
-
-Errors are OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, with status 400 for a bad
-request (malformed JSON, wrong types, out-of-range values, ``n != 1``, a prompt that leaves no room for one output
-token, an output limit larger than ``max_model_len``; a limit that fits ``max_model_len`` but not the room the prompt
-leaves is lowered to that room, as in vLLM v0.33.0: :mod:`minillm.entrypoints.openai.sampling`), 401 without the API
-key (when one is set), 404 for an unknown model or route, 413 for a body over ``--max-request-body-bytes`` (1 MiB),
-415 for a body not sent as ``application/json``, 503 once the engine has stopped, 500 if the engine failed. See
-:mod:`minillm.entrypoints.openai.serving_engine` and :mod:`minillm.entrypoints.openai.middleware`.
-
-Safety (README, "Serving safely"): it listens on 127.0.0.1 by default and then answers only requests whose ``Host``
-is loopback (DNS rebinding); POST bodies must be JSON (no cross-origin "simple" POST from a web page); ``--api-key``
-(or ``$MINILLM_API_KEY``) requires ``Authorization: Bearer <key>`` on ``/v1``; tokenization runs in a worker
-thread, so a long prompt does not freeze the other clients; SIGTERM or Ctrl-C aborts the requests in flight and
-exits 0 within seconds (:class:`GracefulServer`); the port and address are checked before the model loads.
-
-Run it with ``python -m minillm serve [--port 8000] [engine args]`` (or ``python -m
-minillm.entrypoints.openai.api_server``). It serves at ``--dtype auto`` unless told otherwise, bf16 on a CPU with
-AMX-BF16 or AVX512-BF16, else fp32 (``EngineArgs()`` itself keeps fp32, the lessons' dtype), and prints the dtype and
-why at start-up, e.g. ``minillm: dtype bfloat16 (auto: this CPU has AVX512-BF16; torch CPU capability AVX512)``.
-Then::
-
-    from openai import OpenAI
-    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
-    client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", max_completion_tokens=16,
-                                   messages=[{"role": "user", "content": "What is the capital of France?"}])
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health`` (503 once
+the engine has stopped) and, a minillm extra, ``GET /debug/kv_cache`` (the KV cache's and requests' counters).
+One :class:`~minillm.engine.async_llm.AsyncLLM` owns the engine; every connection is an asyncio task, and a client
+that disconnects has its request aborted, which frees its blocks at once. Errors are OpenAI's error body
+(:mod:`~minillm.entrypoints.openai.serving_engine`); the Host, API-key, content-type and size checks are in
+:mod:`~minillm.entrypoints.openai.middleware`; SIGTERM or Ctrl-C aborts the requests in flight and exits 0
+(:class:`GracefulServer`). Safety and usage: docs/serving.md.
 
 vLLM counterpart: ``build_app`` in ``vllm/entrypoints/launchers/app.py``, ``run_server`` in
-``vllm/entrypoints/launchers/api_server/entry.py``, the route functions of the same names in
-``vllm/entrypoints/openai/chat_completion/api_router.py`` (``create_chat_completion``),
-``vllm/entrypoints/openai/completion/api_router.py`` (``create_completion``) and
-``vllm/entrypoints/openai/models/api_router.py`` (``show_available_models``), and ``vllm/entrypoints/cli/serve.py``
-(older releases defined the app and its routes in ``vllm/entrypoints/openai/api_server.py``, which v0.33.0
-keeps only as a deprecated re-export of the launchers); vLLM adds CORS, tool calling, logprobs, ``n > 1``,
-embeddings and many more routes, and ``/metrics`` for Prometheus.
+``vllm/entrypoints/launchers/api_server/entry.py``, the route functions in
+``vllm/entrypoints/openai/chat_completion/api_router.py`` (``create_chat_completion``) and
+``vllm/entrypoints/openai/completion/api_router.py`` (``create_completion``), and ``vllm/entrypoints/cli/serve.py``.
 """
 from __future__ import annotations
 

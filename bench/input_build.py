@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from minillm.course.benchmarks.throughput import make_workload  # noqa: E402
 from minillm.config import LlamaConfig  # noqa: E402
+from minillm.course.benchmarks.throughput import make_workload  # noqa: E402
 from minillm.engine.arg_utils import EngineArgs  # noqa: E402
 from minillm.engine.llm_engine import LLMEngine  # noqa: E402
 from minillm.model.llama import LlamaForCausalLM  # noqa: E402
@@ -59,7 +59,8 @@ def measure(num_requests: int, reps: int, block_size: int) -> list[dict]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(SMALL).eval()
     workload = make_workload(num_requests)
-    blocks = sum(-(-(len(p) + n) // block_size) for p, n in zip(workload.prompts, workload.output_lens)) + 1
+    lens = zip(workload.prompts, workload.output_lens, strict=True)
+    blocks = sum(-(-(len(p) + n) // block_size) for p, n in lens) + 1
     engine = LLMEngine(model, None, EngineArgs(block_size=block_size, num_gpu_blocks=blocks, max_model_len=1024,
                                                max_num_seqs=num_requests))
     runner = engine.model_runner
@@ -85,7 +86,7 @@ def measure(num_requests: int, reps: int, block_size: int) -> list[dict]:
 
     runner._update_states = timed_update
     runner._prepare_inputs = timed_prepare
-    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
+    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
         engine.add_request(str(i), {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -103,7 +104,7 @@ def table(records: list[dict]) -> str:
         rows.append((str(len(rs)), kind, f"{med['reqs']:.0f}", f"{med['tokens']:.0f}", f"{med['old']:.0f}",
                      f"{med['new']:.0f}", f"{med['old'] / med['new']:.2f}x", f"{med['upkeep']:.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
 def main(argv: list[str] | None = None) -> None:

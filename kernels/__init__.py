@@ -1,10 +1,12 @@
-"""Triton kernels of the course: attention over a paged KV cache and writing K/V into it (chapter 3).
+"""Triton kernels: attention over a paged KV cache and writing K/V into it.
 
 Without a GPU the kernels run in Triton's interpreter, which must be switched on before any ``@triton.jit``
 function is defined, so this package sets ``TRITON_INTERPRET=1`` on import when no CUDA device is present.
 
 - :func:`reshape_and_cache` writes a step's new K/V into the paged cache at ``slot_mapping``.
 - :func:`unified_attention` attends a varlen batch of query chunks (prefills, chunks, decodes) over the cache.
+
+vLLM counterpart: ``vllm/v1/attention/ops/``.
 """
 import os
 

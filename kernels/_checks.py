@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-# bf16 compiles on a GPU but gives garbage or NaN in Triton's CPU interpreter (see COURSE.md, "Triton on a CPU").
+# bf16 compiles on a GPU but gives garbage or NaN in Triton's CPU interpreter (TRITON_INTERPRET=1): fp32 and fp16 there.
 _GPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CPU_DTYPES = (torch.float32, torch.float16)
 

@@ -1,18 +1,14 @@
-"""The attention kernel of chapter 3 built up in stages, each one a complete, tested Triton kernel.
+"""The paged attention kernel built up in stages, each one a complete, tested Triton kernel.
 
-0. :func:`online_softmax_step` / :func:`online_softmax_attention`: the online-softmax recurrence in PyTorch, the
-   algorithm every stage runs inside one program.
-1. :func:`attention_contiguous`: one sequence, K/V contiguous ``[num_k, num_heads, head_dim]``; a query chunk
-   at offset ``ctx_len = num_k - num_q`` (causal with an offset); online softmax over KV tiles.
-2. :func:`attention_paged_one_seq`: the same, but K/V are read from the paged cache through one row of the block
-   table (:func:`kv_row_offsets` is the lookup).
-3. :func:`attention_varlen`: a batch of requests, each with its own chunk, context and block-table row; a 3-D grid
-   ``(request, query block, head)`` whose spare programs return at once.
-4. (``kernels.unified_attention``) GQA: one program serves all query heads of a KV head, a flat grid of query
-   blocks found by binary search, and split-KV for decode batches.
+0. :func:`online_softmax_step` / :func:`online_softmax_attention`: the online-softmax recurrence in PyTorch.
+1. :func:`attention_contiguous`: one sequence, contiguous K/V, a query chunk causal with an offset, KV tiles.
+2. :func:`attention_paged_one_seq`: the same through one block-table row (:func:`kv_row_offsets` is the lookup).
+3. :func:`attention_varlen`: a batch of requests, a 3-D grid ``(request, query block, head)``.
+4. (``kernels.unified_attention``) GQA, a flat grid found by binary search, split-KV for decodes.
 
-Stages 1-3 keep every simplification a first reading wants: ``num_heads == num_kv_heads``, ``head_dim`` a power of
-two >= 16, ``tl.exp`` rather than ``exp2``. Each is checked against ``minillm.attention.reference`` in the tests.
+Stages 1-3 keep ``num_heads == num_kv_heads``, ``head_dim`` a power of two >= 16 and ``tl.exp``.
+
+vLLM counterpart: stage 4's, ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``).
 """
 from __future__ import annotations
 

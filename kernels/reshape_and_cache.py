@@ -48,8 +48,10 @@ def _reshape_and_cache_kernel(
     row = slot % BLOCK_SIZE
     mask = write[:, None] & (e < ROW)[None, :]
 
-    src_k = key_ptr + tok[:, None].to(tl.int64) * stride_k_tok + head[None, :] * stride_k_head + dim[None, :] * stride_k_dim
-    src_v = value_ptr + tok[:, None].to(tl.int64) * stride_v_tok + head[None, :] * stride_v_head + dim[None, :] * stride_v_dim
+    src_k = (key_ptr + tok[:, None].to(tl.int64) * stride_k_tok + head[None, :] * stride_k_head
+             + dim[None, :] * stride_k_dim)
+    src_v = (value_ptr + tok[:, None].to(tl.int64) * stride_v_tok + head[None, :] * stride_v_head
+             + dim[None, :] * stride_v_dim)
     dst_k = (key_cache_ptr + block[:, None] * stride_kc_blk + row[:, None] * stride_kc_slot
              + head[None, :] * stride_kc_head + dim[None, :] * stride_kc_dim)
     dst_v = (value_cache_ptr + block[:, None] * stride_vc_blk + row[:, None] * stride_vc_slot

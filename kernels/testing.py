@@ -1,4 +1,4 @@
-"""Random paged batches and a plain-PyTorch reference for them: what the kernel tests and chapter 3 check against.
+"""Random paged batches and a plain-PyTorch reference for them: what the kernel tests check against.
 
 :func:`make_paged_batch` builds a varlen batch (some prefills, some chunks with a cached context, some decodes)
 with each request's blocks scattered at random over the cache, exactly the shapes vLLM hands its attention kernel.
@@ -69,7 +69,7 @@ def make_paged_batch(query_lens: list[int], context_lens: list[int], num_heads: 
     if min(query_lens) < 1 or min(context_lens) < 0:
         raise ValueError(f"query_lens must be >= 1 and context_lens >= 0, got {query_lens} and {context_lens}")
     g = generator if generator is not None else torch.Generator().manual_seed(0)
-    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
     perm = torch.randperm(num_blocks, generator=g)
@@ -79,7 +79,7 @@ def make_paged_batch(query_lens: list[int], context_lens: list[int], num_heads: 
     block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     slot_mapping = []
     next_block = 0
-    for i, (s, nb, c) in enumerate(zip(seq_lens, blocks_per_seq, context_lens)):
+    for i, (s, nb, c) in enumerate(zip(seq_lens, blocks_per_seq, context_lens, strict=True)):
         ids = perm[next_block:next_block + nb]
         next_block += nb
         block_table[i, :nb] = ids.to(torch.int32)

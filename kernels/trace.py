@@ -1,30 +1,14 @@
 """Which memory does a Triton kernel read and write? Record it in Triton's interpreter, and draw it.
 
-Under ``TRITON_INTERPRET=1`` every ``tl.load`` and ``tl.store`` of a kernel ends in one of two methods of the
-interpreter's builder (triton 3.9.0, ``triton/runtime/interpreter.py``): ``InterpreterBuilder.create_masked_load``
-and ``InterpreterBuilder.create_masked_store`` (the unmasked ``create_load`` / ``create_store`` call them with an
-all-true mask). Each receives the tensor of byte addresses of the block being accessed and its mask.
-:func:`trace_memory` wraps both methods for the length of a ``with`` block, and restores them after it; every access
-becomes an :class:`Access` (the addresses of the lanes the mask let through, the program id, the element size).
+Under ``TRITON_INTERPRET=1`` every ``tl.load`` / ``tl.store`` ends in ``InterpreterBuilder.create_masked_load`` or
+``create_masked_store`` (triton 3.9.0, ``triton/runtime/interpreter.py``) with the byte addresses and the mask.
+:func:`trace_memory` wraps both for a ``with`` block; each access becomes an :class:`Access`. Addresses map back to
+elements of the tensors you ask about (:meth:`MemoryTrace.touched`); the rest are reads or writes *outside* them
+(:meth:`MemoryTrace.outside`): a missing mask, a wrong offset. GPU tensors are copied to host per launch, and
+mapped back. :func:`interpreted` gives an interpreted twin of a compiled kernel. :func:`owner_map` and
+:func:`plot_access_comparison` draw the reference kernel's accesses beside yours.
 
-Addresses are then mapped back to tensors: an address ``a`` is element ``(a - t.data_ptr()) / t.element_size()`` of
-tensor ``t``, unravelled with ``t``'s strides into an index. :meth:`MemoryTrace.touched` gives, for the leading
-``dims`` axes of a tensor (the cache blocks and rows of a paged KV cache ``[num_blocks, block_size, heads,
-head_dim]`` with ``dims=2``), which ones the kernel touched. Addresses that fall in no tensor you ask about are
-reads or writes *outside* them (:meth:`MemoryTrace.outside`): a missing mask, a wrong offset.
-
-The interpreter copies tensors that live on a GPU to host memory before a launch, so their addresses are host ones;
-the tracer also wraps ``GridExecutor._init_args_hst`` to learn, per launch, where each argument's storage was copied,
-and maps those addresses back. A kernel that runs *compiled* (a GPU without ``TRITON_INTERPRET=1``) records
-nothing: :func:`interpreted` returns an interpreted twin of a ``@triton.jit`` kernel for tracing.
-
-Not recorded: tensor-descriptor loads and stores (``tl.make_tensor_descriptor``), atomics, and ``tl.device_print``.
-
-:func:`owner_map` and :func:`plot_access_comparison` turn traces into the side-by-side heatmaps of chapter 3's
-exercises (the reference kernel's reads next to yours, the differences marked), in the spirit of Triton-Puzzles'
-memory diagrams.
-
-vLLM counterpart: none; a course tool for looking inside a kernel.
+vLLM counterpart: none; a tool for looking inside a kernel.
 """
 from __future__ import annotations
 
@@ -85,14 +69,14 @@ class MemoryTrace:
 
         def visit(dev: Any, hst: Any) -> None:
             if isinstance(dev, tuple):
-                for d, h in zip(dev, hst):
+                for d, h in zip(dev, hst, strict=True):
                     visit(d, h)
                 return
             dev, hst = getattr(dev, "base", dev), getattr(hst, "base", hst)  # triton's TensorWrapper
             if isinstance(dev, torch.Tensor) and isinstance(hst, torch.Tensor):
                 where[dev.untyped_storage().data_ptr()] = hst.untyped_storage().data_ptr()
 
-        for dev, hst in zip(args_dev, args_hst):
+        for dev, hst in zip(args_dev, args_hst, strict=True):
             visit(dev, hst)
         self.launches.append(where)
 
@@ -101,8 +85,8 @@ class MemoryTrace:
         keep = np.broadcast_to(np.asarray(mask.data, dtype=bool), data.shape)
         element_size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
         launch = max(len(self.launches) - 1, 0)
-        self.accesses.append(Access(kind, tuple(int(i) for i in builder.grid_idx),
-                                    data[keep].astype(np.int64).ravel(), element_size, launch))
+        x, y, z = (int(i) for i in builder.grid_idx)
+        self.accesses.append(Access(kind, (x, y, z), data[keep].astype(np.int64).ravel(), element_size, launch))
 
     # -- reading ----------------------------------------------------------------------------------------------------
     def _of(self, kind: str) -> list[Access]:
@@ -133,7 +117,7 @@ class MemoryTrace:
         index = [np.zeros_like(elem) for _ in range(tensor.dim())]
         # Unravel with the strides, largest first: an index in range on every axis and nothing left over means the
         # address is an element of this (possibly strided) tensor.
-        for d in sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d)):
+        for d in sorted(range(tensor.dim()), key=lambda d: -tensor.stride()[d]):
             stride = tensor.stride(d)
             if stride == 0 or tensor.shape[d] == 1:
                 continue
@@ -183,7 +167,8 @@ class MemoryTrace:
                     continue
                 offset = access.addresses - base
                 # Within the tensor's span; for the dense tensors the checks pass, the span is the tensor.
-                span = (t.numel() and (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1)) * t.element_size()
+                last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+                span = (t.numel() and (last + 1)) * t.element_size()
                 inside |= (offset >= 0) & (offset < span)
             rest.append(access.addresses[~inside])
         return np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
@@ -331,7 +316,7 @@ def plot_access_comparison(panels: Sequence[AccessPanel], names: tuple[str, str]
         cmap = ListedColormap(["#FFFFFF"] + [colors[v] for v in values])
         lookup = {v: i for i, v in enumerate(keys)}
         diff = panel.differences
-        for col, (name, data) in enumerate(zip(names, (ref, got))):
+        for col, (name, data) in enumerate(zip(names, (ref, got), strict=True)):
             ax = axes[row][col]
             codes = np.vectorize(lookup.get)(data) if data.size else data
             ax.imshow(codes, cmap=cmap, vmin=-0.5, vmax=len(keys) - 0.5, aspect="auto", interpolation="nearest")

@@ -1,39 +1,15 @@
 """One Triton kernel for prefill, chunked prefill and decode over a paged KV cache (vLLM's "unified attention").
 
-The batch is flat and varlen: request ``i`` owns query rows ``query_start_loc[i] : query_start_loc[i+1]`` of ``q``
-(a whole prompt, a chunk of one, or a single decode token) and attends to ``seq_lens[i]`` tokens of history found
-through row ``i`` of ``block_table``. Query ``j`` of the chunk sits at absolute position ``context_len + j`` with
-``context_len = seq_len - query_len`` and sees keys ``0 ... context_len + j`` (causal with an offset). A decode is
-simply ``query_len = 1``, so one launch serves a mixed batch.
+Request ``i`` owns query rows ``query_start_loc[i] : query_start_loc[i+1]`` and attends to ``seq_lens[i]`` keys
+through row ``i`` of ``block_table``, causal with offset ``seq_len - query_len``; a decode is ``query_len = 1``. The
+grid: axis 0, query blocks of ``BLOCK_Q`` tokens, each finding its request by binary search over
+``query_start_loc``; axis 1, KV heads, each K/V tile loaded once for all ``num_queries_per_kv`` query heads stacked
+as ``BLOCK_M`` rows; axis 2, KV segments (split-KV) for decode batches too small to fill a GPU, merged by a second
+kernel. Inside a program: online softmax over tiles of ``TILE_SIZE`` keys.
 
-How the work is split (the *grid*):
-
-- axis 0, *query blocks*: each program takes ``BLOCK_Q`` consecutive query tokens of one request. Requests are
-  numbered so that request ``i``'s blocks start at ``query_start_loc[i] // BLOCK_Q + i``; a program finds its request
-  by binary search over ``query_start_loc`` on the device, so the host never has to build a work list. A few
-  programs at the end of each request find no tokens and return at once.
-- axis 1, *KV heads* (grouped-query attention): a program loads each K/V tile **once** for its KV head and uses it
-  for all ``num_queries_per_kv`` query heads of the group, stacked as rows, row ``m`` being token
-  ``m // num_queries_per_kv``, head ``m % num_queries_per_kv``. The tile height ``BLOCK_M`` is chosen first (a power
-  of two >= 16 and >= ``num_queries_per_kv``); the tokens per program follow, rounded down: ``BLOCK_Q = BLOCK_M //
-  num_queries_per_kv``. Rows past ``BLOCK_Q * num_queries_per_kv`` are padding, masked (one of 16 when the group
-  is 3).
-- axis 2, *KV segments* (split-KV, "flash decoding"): a decode batch of a few requests has too few query blocks to
-  fill a GPU, so the KV range of each block is cut into ``NUM_SEGMENTS`` pieces computed by separate programs, then
-  merged by a second small kernel (the same LSE merge as ``minillm.attention.reference.merge_attn_states``).
-
-Inside a program: online softmax over KV tiles of ``TILE_SIZE`` keys. Key position ``j`` lives in cache block
-``block_table[i, j // block_size]`` at row ``j % block_size``; the tile loop stops at the last key any of the
-block's queries may see, and the causal mask removes the rest.
-
-vLLM counterpart: ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``, ``reduce_segments``
-and, in v0.33.0, one ``kernel_unified_attention`` whose ``IS_3D`` constexpr selects the split-KV launch;
-older versions, also at ``vllm/attention/ops/triton_unified_attention.py``, have ``kernel_unified_attention_2d``
-and ``kernel_unified_attention_3d``); its ``find_seq_idx`` is in ``vllm/v1/attention/ops/triton_attention_helpers.py``.
-vLLM v0.33.0 uses ``BLOCK_M = 16`` query rows (more only for a group above 16), prefill included, except 32 rows for
-a head-size-256 prefill on an SM100-family GPU; this kernel takes taller tiles for a prefill (see
-:func:`choose_config`). vLLM adds sliding windows, ALiBi, soft-capping, attention sinks, fp8 KV caches with scales,
-and tuned launch configurations per GPU.
+vLLM counterpart: ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``,
+``reduce_segments``, ``kernel_unified_attention``); vLLM takes ``BLOCK_M = 16`` rows where this kernel takes taller
+tiles for a prefill (:func:`choose_config`), and adds sliding windows, ALiBi, soft-capping, sinks and fp8 caches.
 """
 from __future__ import annotations
 
@@ -210,7 +186,7 @@ class LaunchConfig:
     num_stages: int
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 

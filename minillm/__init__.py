@@ -1,4 +1,4 @@
-"""minillm: a small LLM inference engine in the style of vLLM's V1 engine, built chapter by chapter.
+"""minillm: a small LLM inference engine in the style of vLLM's V1 engine.
 
 Start with::
 
@@ -20,13 +20,9 @@ The engine's spine, in the order a request meets it (each module names its vLLM 
     worker/model_runner.py, worker/input_batch.py the persistent batch -> one flat batch -> model -> sampler
     model/, attention/, sample/                 the Llama model, paged attention, sampling
 
-Beside the spine: ``loaders/`` (GGUF and Hugging Face checkpoints), ``distributed/`` (context and tensor parallelism,
-KV connectors: chapters 7 and 9, whose jobs run on the executor's ``MultiprocExecutor`` with full-model workers),
-``spec_decode/`` (n-gram drafts). Layers only point down: the core and the worker
-never import the engine, which hands its replaceable parts down as plain functions (``engine/parts.py``).
-
-``course/`` is not the engine: the notebooks' widgets, the exercise checks, the fake runners of chapter 4, the
-analysis tools and the benchmarks. Nothing outside it imports it (but ``python -m minillm bench``).
+Beside it: ``loaders/`` (checkpoints), ``distributed/`` (context and tensor parallelism, KV connectors),
+``spec_decode/`` (n-gram drafts). ``course/`` is the notebooks' tooling, not the engine: nothing else imports it.
+vLLM counterpart: ``vllm/__init__.py``, which exports ``LLM`` and ``SamplingParams`` lazily.
 """
 from minillm.config import LlamaConfig, SchedulerConfig
 from minillm.core import KVCacheManager
@@ -44,6 +40,6 @@ from minillm.tokenizer import chat_prompt_ids, load_tokenizer
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "KVCacheManager", "LlamaConfig", "LlamaForCausalLM", "Request", "RequestStatus", "SamplingParams",
-           "SchedulerConfig", "chat_prompt_ids", "default_model_path", "generate", "generate_tokens", "load_model",
-           "load_tokenizer"]
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "KVCacheManager", "LlamaConfig",
+           "LlamaForCausalLM", "Request", "RequestStatus", "SamplingParams", "SchedulerConfig", "chat_prompt_ids",
+           "default_model_path", "generate", "generate_tokens", "load_model", "load_tokenizer"]

@@ -146,7 +146,7 @@ class KVTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
     @classmethod
-    def from_any(cls, value: "KVTransferConfig | dict | str | None") -> "KVTransferConfig | None":
+    def from_any(cls, value: KVTransferConfig | dict | str | None) -> KVTransferConfig | None:
         """A config from itself, a dict of its fields, or their JSON text (vLLM's ``--kv-transfer-config``)."""
         if value is None or isinstance(value, KVTransferConfig):
             return value

@@ -26,11 +26,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_IGNORED = enum.auto()  # refused (e.g. the prompt can never fit)
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finished_reason(status: "RequestStatus") -> str | None:
+    def get_finished_reason(status: RequestStatus) -> str | None:
         """The OpenAI ``finish_reason`` of a finished status: ``"stop"``, ``"length"`` or ``"abort"``."""
         return _FINISHED_REASONS.get(status)
 
@@ -150,7 +150,7 @@ class Request:
     def get_finished_reason(self) -> str | None:
         return RequestStatus.get_finished_reason(self.status)
 
-    def __lt__(self, other: "Request") -> bool:
+    def __lt__(self, other: Request) -> bool:
         """Priority order: lower ``priority`` first, then earlier arrival, then id (a total order for heaps)."""
         return (self.priority, self.arrival_time, self.request_id) < (other.priority, other.arrival_time,
                                                                        other.request_id)

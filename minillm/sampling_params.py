@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import numbers
 from dataclasses import dataclass, field
+from typing import Any, TypeGuard
 
 # Below this temperature a request is sampled greedily (vLLM uses the same threshold, ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
@@ -32,9 +33,10 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
-def is_int(x: object) -> bool:
+def is_int(x: object) -> TypeGuard[int]:
     """A Python, NumPy or other ``numbers.Integral`` integer, but not a bool: ``bool`` is an int subclass, and
-    ``max_tokens=True`` (or a token id, a rank, a seed of ``True``) is a bug, not 1."""
+    ``max_tokens=True`` (or a token id, a rank, a seed of ``True``) is a bug, not 1. (For the type checker an
+    ``int``: every ``Integral`` compares and converts with ``int()`` as one.)"""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
@@ -92,7 +94,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._normalize()
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        self.all_stop_token_ids = set(self.stop_token_ids or [])
 
     # ---------------------------------------------------------------- normalisation
     def _normalize(self) -> None:
@@ -127,13 +129,18 @@ class SamplingParams:
                 raise ValueError(f"{name} must not be NaN")
             return float(v)
 
-        def integer(name: str, allow_none: bool = False) -> int | None:
+        def optional_integer(name: str, allow_none: bool = True) -> int | None:
             v = getattr(self, name)
             if v is None and allow_none:
                 return None
             if not is_int(v):
                 allowed = "an integer or None" if allow_none else "an integer"
                 raise ValueError(f"{name} must be {allowed}, got {v!r} ({type(v).__name__})")
+            return v
+
+        def integer(name: str) -> int:
+            v = optional_integer(name, allow_none=False)
+            assert v is not None  # optional_integer raised on None
             return v
 
         t = num("temperature")
@@ -148,11 +155,11 @@ class SamplingParams:
         mp = num("min_p")
         if not 0.0 <= mp <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        seed = integer("seed", allow_none=True)
+        seed = optional_integer("seed")
         if seed is not None and not MIN_SEED <= int(seed) <= MAX_SEED:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1] (what torch.Generator.manual_seed "
                              f"accepts), got {self.seed}")
-        mt = integer("max_tokens", allow_none=True)
+        mt = optional_integer("max_tokens")
         if mt is not None and mt < 1:
             raise ValueError(f"max_tokens must be at least 1 (or None), got {self.max_tokens}")
         mn = integer("min_tokens")
@@ -160,6 +167,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if mt is not None and mn > mt:
             raise ValueError(f"min_tokens must be <= max_tokens, got min_tokens={mn} > max_tokens={mt}")
+        assert isinstance(self.stop, list) and isinstance(self.stop_token_ids, list)  # made lists by _normalize
         for s in self.stop:
             if not isinstance(s, str):
                 raise ValueError(f"stop must be a string or a list of strings, got an element {s!r}")
@@ -170,7 +178,7 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got an element {tid!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        lp = integer("logprobs", allow_none=True)
+        lp = optional_integer("logprobs")
         if lp is not None and not 0 <= lp <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (vLLM's max_logprobs) or None, "
                              f"got {self.logprobs}")
@@ -200,13 +208,14 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     @classmethod
-    def greedy(cls, **kwargs) -> "SamplingParams":
+    def greedy(cls, **kwargs: Any) -> SamplingParams:
         """Shorthand for ``SamplingParams(temperature=0, ...)``."""
         return cls(temperature=0.0, **kwargs)
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy with some fields changed."""
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "all_stop_token_ids"}
         fields.update(changes)
-        return SamplingParams(**{k: (list(v) if isinstance(v, list) else v) for k, v in fields.items()})
+        copied: dict[str, Any] = {k: (list(v) if isinstance(v, list) else v) for k, v in fields.items()}
+        return SamplingParams(**copied)
 

@@ -7,6 +7,7 @@ tokenizer is loaded by ``vllm/tokenizers/hf.py:CachedHfTokenizer``); older relea
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:  # transformers is imported only when a tokenizer is loaded: i
     from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Tokenizer for a ``.gguf`` file (vocabulary, merges and chat template from its metadata) or an HF directory.
 
     A ``.gguf`` file's tokenizer is kept on disk after the first load (:mod:`minillm.loaders.gguf_cache`): building
@@ -35,11 +36,11 @@ def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def chat_prompt_ids(tokenizer: "PreTrainedTokenizerBase", messages: list[dict[str, str]] | str) -> list[int]:
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]] | str) -> list[int]:
     """Token ids of ``messages`` (or one user message) rendered with the model's chat template, ready to answer."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+    if isinstance(ids, Mapping):  # transformers >= 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

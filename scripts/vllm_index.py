@@ -1,8 +1,9 @@
 """Write the index of vLLM's source that ``tests/test_vllm_references.py`` checks the course's citations against.
 
-The course maps to one vLLM release (see COURSE.md, "Which vLLM"). The test must run offline and fast, so instead of
-the 340 MB wheel it reads a small committed index: every ``vllm/**/*.py`` path, and for each file the names a
-learner could look for there. The index is made with ``ast`` only: vLLM is never imported (or installed).
+The course maps to one vLLM release, v0.33.0: every vLLM path, class and behaviour it names is checked against that
+release's source. The test must run offline and fast, so instead of the 340 MB wheel it reads a small committed index:
+every ``vllm/**/*.py`` path, and for each file the names a learner could look for there. The index is made with ``ast``
+only: vLLM is never imported (or installed).
 
 How to run it (from the repository root)::
 

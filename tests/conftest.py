@@ -2,7 +2,7 @@
 import os
 import random
 
-# Must happen before anything defines a @triton.jit function (see COURSE.md, "Triton on a CPU").
+# Must happen before anything defines a @triton.jit function: Triton picks its driver then ("0 active drivers" after).
 try:
     import torch
 

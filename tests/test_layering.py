@@ -1,5 +1,5 @@
-"""The package's layers only point down, so its tree reads as the engine's diagram (STYLE.md, "Layers that only point
-down"): every import in the package, lazy and ``TYPE_CHECKING`` ones included, read from the source with ``ast``."""
+"""The package's layers only point down, so its tree reads as the engine's diagram: every import in the package, lazy
+and ``TYPE_CHECKING`` ones included, read from the source with ``ast``."""
 import ast
 from pathlib import Path
 

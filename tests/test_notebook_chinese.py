@@ -21,7 +21,7 @@ What is checked, and what the words mean here:
   ``**You will be able to answer:**`` and ``**Run time:**`` has, after them, ``**本章内容：**``, ``**能回答的问题：**``
   and ``**运行时间：**``, each with exactly the set of numbers of its English line, and following the glossary.
 - **Notebook 00** has a table ``# | English | 原文 | answered in`` with the 8 questions: the translation and the
-  Chinese original verbatim (``QUESTIONS``, copied from the course brief's learner-questions.md), and links to every
+  Chinese original verbatim (``QUESTIONS``, the learners' own words), and links to every
   notebook of ``ANSWERED_IN``, main answer first.
 - **Links between notebooks** point at the cell of the ``Learner question QN`` heading by its cell id,
   ``05_sampler.ipynb#cell-id=...``. JupyterLab 4 also resolves a heading anchor (``#Learner-question-Q5``, the heading
@@ -56,7 +56,7 @@ NOTEBOOKS = {
     "10": REPO / "notebooks" / "10_engine_core.ipynb",
 }
 
-# The learner questions, verbatim from the course brief (learner-questions.md): (English translation, original).
+# The learner questions, verbatim as the learners asked them: (English translation, original).
 QUESTIONS: dict[str, tuple[str, str]] = {
     "Q1": ("A long prompt is cut into chunks, say 4. During prefill, can these 4 chunks be prefilled at the same "
            "time, or do they depend on each other?",
@@ -77,7 +77,7 @@ QUESTIONS: dict[str, tuple[str, str]] = {
     "Q8": ("What is the shape of sampled_token_ids?", "sampled_token_ids 的shape信息是什么样的？"),
 }
 
-# Where each question is answered, main answer first. learner-questions.md names 01/07 for Q1 and 05/06 for Q5;
+# Where each question is answered, main answer first. The questions were posed with 01/07 for Q1 and 05/06 for Q5;
 # 02 and 03 answer Q2 and Q3 a second way; 09 answers Q1-Q4 beyond one engine (disaggregation, tensor parallelism);
 # 10 answers Q6 again under async scheduling (what step N+1 counts while step N runs: output placeholders).
 ANSWERED_IN: dict[str, list[str]] = {

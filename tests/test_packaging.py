@@ -22,7 +22,8 @@ def _name(req: str) -> str:
 
 def _pyproject_requirements() -> set[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return set(project["dependencies"]) | set(project["optional-dependencies"]["dev"])
+    extras = project["optional-dependencies"]
+    return set(project["dependencies"]) | set(extras["course"]) | set(extras["dev"])
 
 
 def test_environment_yml_lists_the_same_packages_as_pyproject():

@@ -53,7 +53,7 @@ learner would not find it in the cited file). *Defined* means defined, not impor
 calls (```flash_attn.py` (`flash_attn_varlen_func`)``) is reported with the file that defines it; to mention what
 a file uses, say so in words, which ends rule 2's list (```flash_attn.py`, which calls `flash_attn_varlen_func```).
 
-Older releases: the course may say where an older release kept something (COURSE.md asks for that, in one line).
+Older releases: the course may say, in one line, where an older release kept something (a learner may have read it).
 A path whose *clause* says so is not checked against 0.33.0, nor are the names beside it. The clause is the text
 around the path up to the nearest ``;``, ``(``, ``)``, ``|``, blank line or sentence end; it says so when it matches
 :data:`HISTORICAL_RE` ("older releases", "earlier versions", "older ones", "before v0.10", ...):

@@ -3,6 +3,8 @@
 A model layer never owns its K/V. It computes this step's ``q, k, v`` and hands them to an
 :class:`~minillm.attention.backend.AttentionImpl`, which decides where the K/V history lives (nowhere, a contiguous
 buffer, a paged cache) and how attention over it is computed (PyTorch reference or a Triton kernel).
+
+vLLM counterpart: ``vllm/v1/attention/`` (backends, ops, the metadata they share).
 """
 from minillm.attention.backend import AttentionImpl
 from minillm.attention.contiguous import ContiguousKVCache

@@ -1,35 +1,25 @@
-"""Prefill of one prompt in chunks over a contiguous KV cache, and the wrong shortcuts chapter 1 measures.
+"""Prefill of one prompt in chunks over a contiguous KV cache, and two wrong shortcuts to measure against it.
 
-*Chunked prefill* runs a prompt of ``T`` tokens as chunks ``c = 0, 1, ...`` of ``n_c`` tokens, in order. Chunk ``c``
-starts at absolute position ``ctx_c = n_0 + ... + n_{c-1}``; at every layer it appends its own K/V to the cache and
-attends over all ``ctx_c + n_c`` cached tokens (:func:`prefill_chunk`). Run with every chunk this is the same
-computation as one full prefill, up to fp32 rounding (:func:`chunked_prefill`).
+Chunk ``c`` of a prompt starts at position ``ctx_c = n_0 + ... + n_{c-1}``; at every layer it appends its K/V to the
+cache and attends over all ``ctx_c + n_c`` cached tokens (:func:`prefill_chunk`). All chunks in order give one full
+prefill, up to fp32 rounding (:func:`chunked_prefill`). Wrong: :func:`independent_chunks_prefill` (each chunk
+alone, an empty cache) and :func:`last_chunk_attention_prefill` (earlier chunks skip attention). Right: earlier
+chunks may stop at the last layer's K/V projection (``kv_only_last_layer``): later tokens read only their K/V.
 
-Two shortcuts that a plausible but wrong reading of chunked prefill suggests are here too, so their error can be
-measured on the real model:
-
-- :func:`independent_chunks_prefill`: every chunk runs alone (correct positions, empty cache), as if K/V of a chunk
-  depended only on its own tokens;
-- :func:`last_chunk_attention_prefill`: earlier chunks compute their K/V but skip attention (the attention sub-layer
-  adds nothing to their residual stream); only the last chunk attends.
-
-And one shortcut that is right: earlier chunks may stop at the last layer's K/V projection (``kv_only_last_layer``),
-because no later token reads anything of theirs except K/V.
-
-vLLM counterpart: the scheduler splits a prompt into chunks (``vllm/v1/core/sched/scheduler.py``, the token budget
-and ``num_computed_tokens``) and the model runner runs each chunk against the paged KV cache
+vLLM counterpart: the scheduler cuts a prompt into chunks (``vllm/v1/core/sched/scheduler.py``, the token budget
+and ``num_computed_tokens``) and the model runner runs each against the paged KV cache
 (``vllm/v1/worker/gpu_model_runner.py``), computing logits only at ``logits_indices``.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from minillm.attention.contiguous import ContiguousKVCache
-from minillm.model.llama import LlamaForCausalLM, check_token_ids
-
+from minillm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, check_token_ids
 
 # ---------------------------------------------------------------------------------------------------------------------
 # How a prompt is cut
@@ -127,7 +117,7 @@ class ProjectionOnlyAttention:
 # One chunk through the model
 
 
-def _kv_projection(self_attn: torch.nn.Module, positions: torch.Tensor, x: torch.Tensor
+def _kv_projection(self_attn: LlamaAttention, positions: torch.Tensor, x: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """K (rotated) and V of ``x`` ``[n, hidden]`` without computing Q: ``[n, num_kv_heads, head_dim]`` each."""
     n = x.shape[0]
@@ -184,7 +174,7 @@ def prefill_chunk(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: t
     inner = model.model
     num_layers = len(inner.layers)
     h = inner.embed_tokens(input_ids)
-    for i, layer in enumerate(inner.layers):
+    for i, layer in enumerate(cast(Iterable[LlamaDecoderLayer], inner.layers)):
         if hidden_states_out is not None:
             hidden_states_out.append(h)
         if kv_only_last_layer and i == num_layers - 1:
@@ -248,6 +238,7 @@ class PrefillRecord:
         for _ in range(max_new_tokens - 1):
             pos = torch.tensor([self.cache.num_tokens], device=model.device)
             h = prefill_chunk(model, torch.tensor([token], device=model.device), pos, self.cache)
+            assert h is not None  # None only with kv_only_last_layer
             with torch.inference_mode():
                 token = int(model.compute_logits(h[-1:])[0].argmax())
             out.append(token)
@@ -266,7 +257,7 @@ def _new_cache(model: LlamaForCausalLM, capacity: int) -> RecordingKVCache:
 def _check_ids(model: LlamaForCausalLM, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """``input_ids`` as a ``[num_tokens]`` int64 tensor on the model's device, checked before any chunk runs."""
     given_tensor = isinstance(input_ids, torch.Tensor)
-    if given_tensor:
+    if isinstance(input_ids, torch.Tensor):
         check_token_ids(input_ids, model.config.vocab_size)  # before the cast to int64, which would truncate floats
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.device)
     if ids.dim() != 1 or ids.numel() == 0:
@@ -288,6 +279,7 @@ def _run(model: LlamaForCausalLM, input_ids: torch.Tensor | Sequence[int], chunk
     residual_chunks: list[list[torch.Tensor]] = []
     for c, (start, end) in enumerate(bounds):
         last = c == len(bounds) - 1
+        attn: ContiguousKVCache | ProjectionOnlyAttention
         if mode == "independent":
             cache = _new_cache(model, end - start)
             caches.append(cache)

@@ -1,13 +1,20 @@
 """A contiguous KV cache for one sequence: the simplest place K/V history can live.
 
 Each layer keeps ``K`` and ``V`` as ``[num_tokens, num_kv_heads, head_dim]`` buffers that grow as chunks (or
-single decode tokens) are appended. Chapter 2 replaces this with a paged cache shared by many sequences.
+single decode tokens) are appended. The engine uses the paged cache (:mod:`minillm.attention.paged`) instead.
+
+vLLM counterpart: none; vLLM keeps K/V only in a paged cache.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Self
 
 import torch
 
 from minillm.attention.reference import reference_attention
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaForCausalLM
 
 
 class ContiguousKVCache:
@@ -31,7 +38,7 @@ class ContiguousKVCache:
         self._len = [0] * num_layers
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, capacity: int = 256) -> "ContiguousKVCache":
+    def for_model(cls, model: LlamaForCausalLM, capacity: int = 256) -> Self:
         """An empty cache shaped for ``model`` (a :class:`~minillm.model.llama.LlamaForCausalLM`); subclasses get their
         own type."""
         cfg = model.config

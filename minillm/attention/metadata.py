@@ -1,18 +1,14 @@
 """What one forward pass over a flat, varlen batch needs to know to attend through a paged KV cache.
 
-Tokens of all requests are concatenated (``[num_tokens]``). Request ``i`` owns query rows
-``query_start_loc[i] : query_start_loc[i+1]`` and attends to ``seq_lens[i]`` tokens of history (its cached context
-plus these new tokens), found through row ``i`` of ``block_table``. Its causal offset is
-``context_len = seq_len - query_len``: query ``j`` of the chunk sits at absolute position ``context_len + j``.
+Request ``i`` owns query rows ``query_start_loc[i] : query_start_loc[i+1]`` of the concatenated tokens and attends
+to ``seq_lens[i]`` tokens of history through row ``i`` of ``block_table``; query ``j`` sits at absolute position
+``seq_len - query_len + j``. K/V live in ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer: token ``t``
+at slot ``block_table[i, t // block_size] * block_size + t % block_size``; ``slot_mapping[k]`` is where new token
+``k`` is written (``-1``: padding).
 
-Paged KV layout (one pair per layer): ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size,
-num_kv_heads, head_dim]``; token ``t`` of a request lives in block ``block_table[i, t // block_size]`` at offset
-``t % block_size``, i.e. at slot ``block_id * block_size + offset``. ``slot_mapping[k]`` is the slot where the new
-token ``k`` of this batch is written (``-1``: padding, skipped).
-
-vLLM counterpart: ``vllm/v1/attention/backend.py:CommonAttentionMetadata`` (the backend-independent fields:
-``query_start_loc``, ``seq_lens``, ``block_table_tensor``, ``slot_mapping``), which each backend's metadata builder
-turns into its own, e.g. ``vllm/v1/attention/backends/flash_attn.py:FlashAttentionMetadata``.
+vLLM counterpart: ``vllm/v1/attention/backend.py:CommonAttentionMetadata`` (``query_start_loc``, ``seq_lens``,
+``block_table_tensor``, ``slot_mapping``), which each backend turns into its own, e.g.
+``vllm/v1/attention/backends/flash_attn.py:FlashAttentionMetadata``.
 """
 from __future__ import annotations
 

@@ -1,30 +1,28 @@
 """The paged KV cache: fixed-size blocks of K/V shared by all requests, found through block tables.
 
-Per layer, K and V each live in one tensor ``[num_blocks, block_size, num_kv_heads, head_dim]``. A request owns a
-list of block ids (its row of the ``block_table``, handed out by :class:`~minillm.core.KVCacheManager`); its token
-at position ``p`` lives in block ``block_ids[p // block_size]`` at offset ``p % block_size``, i.e. at the flat
-*slot* ``block_id * block_size + offset`` of the cache viewed as ``[num_blocks * block_size, num_kv_heads,
-head_dim]``. A step's ``slot_mapping`` lists the slot of every new token, so writing the step's K/V is a single
-scatter (``reshape_and_cache``), whatever requests and positions the tokens belong to.
-
-This module has the PyTorch versions (the reference the Triton kernels of chapter 3 are checked against) and
-:class:`PagedAttention`, the :class:`~minillm.attention.backend.AttentionImpl` that lets the model attend through a
-paged cache with either backend.
+Per layer, K and V each live in ``[num_blocks, block_size, num_kv_heads, head_dim]``. A request's token at position
+``p`` lives in block ``block_ids[p // block_size]`` at offset ``p % block_size``: flat *slot* ``block_id *
+block_size + offset``. A step's ``slot_mapping`` lists every new token's slot, so writing the step's K/V is one
+scatter (``reshape_and_cache``). Here: the PyTorch versions (the Triton kernels' reference) and
+:class:`PagedAttention`, the :class:`~minillm.attention.backend.AttentionImpl` over a paged cache.
 
 vLLM counterparts: ``vllm/v1/worker/block_table.py`` (``BlockTable``, ``compute_slot_mapping``),
 ``vllm/_custom_ops.py`` (``reshape_and_cache_flash``), ``vllm/v1/attention/backends/triton_attn.py``
-(``TritonAttentionImpl``), ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``; older
-releases had it under ``vllm/attention/ops/``).
+(``TritonAttentionImpl``), ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from minillm.attention.metadata import AttentionMetadata
 from minillm.attention.reference import reference_attention
 from minillm.config import LlamaConfig
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaForCausalLM
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 BACKENDS = ("torch", "triton")
@@ -100,8 +98,9 @@ def build_attention_metadata(block_ids: Sequence[Sequence[int]], num_computed_to
     if min(num_new_tokens) < 1 or min(num_computed_tokens) < 0:
         raise ValueError(f"num_new_tokens must be >= 1 and num_computed_tokens >= 0, got {list(num_new_tokens)} and "
                          f"{list(num_computed_tokens)}")
-    seq_lens = [c + q for c, q in zip(num_computed_tokens, num_new_tokens)]
-    slots = [compute_slot_mapping(ids, c, s, block_size) for ids, c, s in zip(block_ids, num_computed_tokens, seq_lens)]
+    seq_lens = [c + q for c, q in zip(num_computed_tokens, num_new_tokens, strict=True)]
+    slots = [compute_slot_mapping(ids, c, s, block_size)
+             for ids, c, s in zip(block_ids, num_computed_tokens, seq_lens, strict=True)]
     qsl = [0]
     for q in num_new_tokens:
         qsl.append(qsl[-1] + q)
@@ -262,7 +261,7 @@ class PagedAttention:
         self._checked_metadata = md
 
 
-def forward_paged(model: torch.nn.Module, kv_caches: list[KVCache], token_ids: Sequence[Sequence[int]],
+def forward_paged(model: LlamaForCausalLM, kv_caches: list[KVCache], token_ids: Sequence[Sequence[int]],
                   block_ids: Sequence[Sequence[int]], num_computed_tokens: Sequence[int],
                   num_new_tokens: Sequence[int], block_size: int, backend: str = "torch") -> torch.Tensor:
     """One forward pass of a varlen batch through a paged cache: a bare-bones model-runner step.
@@ -276,8 +275,9 @@ def forward_paged(model: torch.nn.Module, kv_caches: list[KVCache], token_ids: S
         ``query_start_loc[i+1] - 1``.
     """
     md = build_attention_metadata(block_ids, num_computed_tokens, num_new_tokens, block_size, model.device)
-    ids, pos = [], []
-    for toks, c, n in zip(token_ids, num_computed_tokens, num_new_tokens):
+    ids: list[int] = []
+    pos: list[int] = []
+    for toks, c, n in zip(token_ids, num_computed_tokens, num_new_tokens, strict=False):
         if c + n > len(toks):
             raise ValueError(f"asked for tokens up to {c + n} but the request has only {len(toks)}")
         ids.extend(toks[c:c + n])

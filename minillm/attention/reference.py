@@ -1,21 +1,18 @@
-"""Reference attention in plain PyTorch: the ground truth every cache and kernel in the course is checked against.
+"""Reference attention in plain PyTorch: the ground truth every cache and kernel here is checked against.
 
-A *chunk* of ``n`` query tokens at absolute positions ``ctx_len ... ctx_len+n-1`` attends to keys ``0 ...
-ctx_len+n-1``: all ``ctx_len`` earlier tokens (the prefix, from the KV cache) and, causally, its own tokens. The mask
-is the rectangle ``[n, ctx_len+n]`` whose diagonal is shifted right by ``ctx_len``.
+A chunk of ``n`` queries at positions ``ctx_len ... ctx_len+n-1`` attends to all ``ctx_len`` earlier keys and,
+causally, its own: the mask ``[n, ctx_len+n]`` has its diagonal shifted right by ``ctx_len``. The same attention in
+two parts, over the prefix (no mask) and causally over the chunk, is joined exactly by :func:`merge_attn_states`
+from each part's output and log-sum-exp (:func:`prefix_chunk_attention`): what lets kernels stream over K/V tiles.
 
-Attention over "prefix plus chunk" can also be computed in two independent parts, attention over the prefix (no mask)
-and causal attention over the chunk, joined exactly by :func:`merge_attn_states` from each part's output and
-log-sum-exp (:func:`prefix_chunk_attention`). That identity is what lets kernels stream over the KV cache in tiles.
-
-vLLM counterparts: the chunked-prefill attention ops (``vllm/v1/attention/ops/triton_unified_attention.py``
-(``unified_attention``), ``prefix_prefill.py`` (``context_attention_fwd``)) and ``merge_attn_states``
-(``vllm/v1/attention/ops/merge_attn_states.py``, ``triton_merge_attn_states.py``); older releases kept these ops
-under ``vllm/attention/ops/``.
+vLLM counterparts: ``vllm/v1/attention/ops/triton_unified_attention.py`` (``unified_attention``),
+``prefix_prefill.py`` (``context_attention_fwd``) and ``vllm/v1/attention/ops/merge_attn_states.py``
+(``merge_attn_states``).
 """
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 
@@ -40,6 +37,18 @@ def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.repeat_interleave(num_heads // num_kv_heads, dim=1)
 
 
+@overload
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int | None = None,
+                        causal: bool = True, scale: float | None = None,
+                        return_lse: Literal[False] = False) -> torch.Tensor: ...
+@overload
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int | None = None,
+                        causal: bool = True, scale: float | None = None, *,
+                        return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int | None = None,
+                        causal: bool = True, scale: float | None = None,
+                        return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -1,33 +1,14 @@
 """A fast PyTorch attention backend over the paged KV cache, for the engine on a CPU.
 
-:func:`minillm.attention.paged.paged_attention_torch` is the readable reference: per request, gather its K/V
-through the block table, then attend. Called for every layer, that loop costs ``num_layers x num_reqs`` small
-Python-level operations per step, which dominates a decode step of 32 requests on a CPU. This backend keeps the
-same semantics but groups the work, planned **once per step** (not once per layer) by :class:`SDPAPlan`:
+Same semantics as :func:`minillm.attention.paged.paged_attention_torch`, with the work grouped once per step by
+:class:`SDPAPlan`: **decodes** (one query token, or a few with drafts) are sorted by length, cut into groups of
+similar lengths, gathered through their block-table rows in one copy and attended by one padded
+``scaled_dot_product_attention`` call per group (the query heads of a K/V head ride on SDPA's query axis); each
+**prefill** chunk is one SDPA call, with ``is_causal`` when it has no cached context, else a shifted causal mask.
 
-- **decodes** (``query_len == 1``, or a few tokens: a decode plus its draft tokens under speculative decoding,
-  up to ``MAX_BATCHED_QUERY_LEN``): batched. Their block-table rows index the cache in one gather,
-  ``key_cache[block_table] -> [n, num_blocks * block_size, num_kv_heads, head_dim]``, and one
-  ``scaled_dot_product_attention`` call with a padding mask (``key position < seq_len``) attends them all. The
-  gather copies every request's history padded to the longest one, so decodes are first sorted by length and cut
-  into groups of similar lengths (padding below ~30%): the copy is the main cost of a decode's attention on a CPU.
-  The ``num_queries_per_kv`` query heads that share a K/V head ride as the "query length" axis of SDPA
-  (``[n, num_kv_heads, group, head_dim]``), so grouped-query attention needs no copy of K/V per query head.
-  With several query tokens per request (drafts), the axis holds ``query_len x group`` rows, padded to the
-  group's longest query, and the mask is causal with each request's context offset.
-- **prefills** (``query_len > 1``, whole prompts or chunks): one SDPA call each. A chunk with no cached context
-  (a fresh prompt without a prefix-cache hit) attends to its own new K/V, so it skips the gather and uses SDPA's
-  ``is_causal``; a later chunk (or a prefix-cache hit) gathers its history through precomputed slot indices and
-  uses a causal mask shifted by its context length.
-
-Prefills use SDPA's ``enable_gqa`` for grouped-query attention.
-
-vLLM counterpart: ``vllm/v1/attention/backends/cpu_attn.py`` (``CPUAttentionBackend``, registered as ``CPU_ATTN``;
-``CPUAttentionBackendImpl.forward``). vLLM v0.33.0 does not split prefills from decodes on a CPU: one C++ kernel
-(``cpu_attention_with_kv_cache``) attends the whole varlen batch, prefill chunks and decodes alike, reading the
-paged blocks in place instead of gathering them (``TORCH_SDPA`` in ``vllm/v1/attention/backends/registry.py`` is
-only used for ViT encoders). Older releases had a ``TorchSDPABackend`` there that split the batch as this file does:
-SDPA for the prefills, a C++ paged-attention kernel for the decodes.
+vLLM counterpart: ``vllm/v1/attention/backends/cpu_attn.py`` (``CPUAttentionBackend``,
+``CPUAttentionBackendImpl.forward``), whose one C++ kernel (``cpu_attention_with_kv_cache``) attends the whole
+varlen batch in place; older releases split prefills (SDPA) from decodes as this file does.
 """
 from __future__ import annotations
 
@@ -184,8 +165,9 @@ class TorchSDPAAttention:
             n, nb = g.block_table.shape
             # index_select of whole blocks, [n * nb, block_size, Hkv, D] -> [n, Hkv, nb * block_size, D]. (Much
             # faster on a CPU than the equivalent advanced indexing key_cache[block_table].)
-            kd = key_cache.index_select(0, g.block_ids).view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
-            vd = value_cache.index_select(0, g.block_ids).view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+            gathered = (n, nb * block_size, num_kv_heads, head_dim)
+            kd = key_cache.index_select(0, g.block_ids).view(gathered).transpose(1, 2)
+            vd = value_cache.index_select(0, g.block_ids).view(gathered).transpose(1, 2)
             if g.valid is None:  # one query token each: the query heads of one K/V head side by side
                 qd = q[g.rows[:, 0]].view(n, num_kv_heads, group, head_dim)
                 od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask.to(q.dtype))

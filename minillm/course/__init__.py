@@ -1,7 +1,7 @@
 """The course's tooling: what the notebooks use to look at the engine, not the engine itself.
 
-Nothing under ``minillm/`` outside this package imports it (but the CLI's ``bench`` command, lazily), so the rest of the tree reads as the engine's diagram
-(``minillm/__init__.py`` gives its reading order). What lives here:
+Nothing under ``minillm/`` outside this package imports it (but the CLI's ``bench`` command, lazily), so the rest
+of the tree reads as the engine's diagram (``minillm/__init__.py`` gives its reading order). What lives here:
 
     widgets/          interactive views of the block table, the scheduler's queues, the engine map, source listings
     exercises/        the exercise builder, the checks, the tripwire, the capstone, nbgrader, the challenges

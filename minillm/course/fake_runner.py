@@ -14,7 +14,8 @@
 :func:`random_workload` makes seeded workloads; :func:`compare_schedulers` runs two schedulers on the same workloads
 and says at which step their outputs first differ (the exercises' check).
 
-vLLM counterpart: none; vLLM's tests use a mock ``ModelRunnerOutput`` the same way (``tests/v1/core/test_scheduler.py``).
+vLLM counterpart: none; vLLM's tests use a mock ``ModelRunnerOutput`` the same way
+(``tests/v1/core/test_scheduler.py``).
 """
 from __future__ import annotations
 
@@ -251,7 +252,7 @@ def simulate(scheduler: Scheduler, workload: Sequence[WorkloadRequest], runner: 
         for out in scheduler.update_from_output(so, mro):
             result.outputs[out.request_id].extend(out.new_token_ids)
             result.first_token_step.setdefault(out.request_id, step)
-            if out.finished:
+            if out.finish_reason is not None:  # finished
                 result.finish_reasons[out.request_id] = out.finish_reason
                 result.finish_step[out.request_id] = step
         step += 1
@@ -323,16 +324,16 @@ def compare_schedulers(scheduler_cls: type, reference_cls: type = Scheduler, num
         while pending or scheds[1].has_unfinished_requests():
             while pending and pending[0][1].arrival_step <= step:
                 index, wr = pending.pop(0)
-                for s, mine in zip(scheds, made):
+                for s, mine in zip(scheds, made, strict=True):
                     mine.append(wr.make_request(index))
                     s.add_request(mine[-1])
             outs = [s.schedule() for s in scheds]
             diff = _first_difference(summarize_output(outs[0]), summarize_output(outs[1]))
             if diff:
                 raise AssertionError(f"{where}, step {step}: {diff}")
-            for s, r, so in zip(scheds, runners, outs):
+            for s, r, so in zip(scheds, runners, outs, strict=True):
                 s.update_from_output(so, r.execute_model(so))
-            for ours, ref in zip(*made):
+            for ours, ref in zip(*made, strict=True):
                 got = (ours.status.name, ours.num_computed_tokens, ours.num_preemptions, ours.num_tokens)
                 want = (ref.status.name, ref.num_computed_tokens, ref.num_preemptions, ref.num_tokens)
                 if got != want:

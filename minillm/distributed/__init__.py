@@ -1,15 +1,20 @@
-"""Several processes working on one prompt: context-parallel prefill over ``torch.distributed`` (chapter 7).
+"""Several processes on one model: context-parallel prefill, tensor parallelism and moving K/V between engines.
 
-- :mod:`~minillm.distributed.splits`: which positions each rank holds (plain and zigzag splits).
-- :mod:`~minillm.distributed.comm`: the K/V exchanges (all-gather, ring) with timeouts and byte counts.
-- :mod:`~minillm.distributed.context_parallel`: the attention that exchanges K/V per layer, and one rank's prefill.
-- :mod:`~minillm.distributed.jobs`: chapters 7 and 9's executor (:class:`JobExecutor`, the engine's
-  ``MultiprocExecutor`` with full models on every rank) and the jobs it runs on the first ``k`` ranks.
-- :mod:`~minillm.distributed.context_parallel_executor`: chapter 7's prefill on several ranks, put back together.
+- :mod:`~minillm.distributed.splits`, :mod:`~minillm.distributed.comm`, :mod:`~minillm.distributed.context_parallel`:
+  which positions each rank holds, the K/V exchanges, the attention that uses them.
+- :mod:`~minillm.distributed.jobs`: an executor with full models on every rank, and the jobs it runs.
+- :mod:`~minillm.distributed.parallel_state`, :mod:`~minillm.distributed.tensor_parallel`: tensor parallelism.
+- :mod:`~minillm.distributed.kv_transfer`, :mod:`~minillm.distributed.disaggregation`: disaggregated prefill.
+
+vLLM counterpart: ``vllm/distributed/``.
 """
 from minillm.distributed.comm import CollectiveError, CommStats, expected_bytes_per_layer
-from minillm.distributed.context_parallel import (STRATEGIES, ContextParallelAttention, RankPrefillOutput,
-                                                  context_parallel_forward)
+from minillm.distributed.context_parallel import (
+    STRATEGIES,
+    ContextParallelAttention,
+    RankPrefillOutput,
+    context_parallel_forward,
+)
 from minillm.distributed.splits import SPLIT_KINDS, ContextSplit, Piece, make_split
 
 __all__ = ["SPLIT_KINDS", "STRATEGIES", "CollectiveError", "CommStats", "ContextParallelAttention",
@@ -18,11 +23,15 @@ __all__ = ["SPLIT_KINDS", "STRATEGIES", "CollectiveError", "CommStats", "Context
            "expected_bytes_per_layer", "make_split"]
 
 # Tensor parallelism (chapter 9): the group and its collectives, the rank's job, the parent's helper, the formulas.
-from minillm.distributed.parallel_state import (TensorParallelGroup, simulate_all_gather,  # noqa: E402
-                                                simulate_all_reduce)
-from minillm.distributed.tensor_parallel import (TensorParallelResult, expected_all_gather_bytes,  # noqa: E402
-                                                 expected_all_reduce_bytes, expected_num_all_reduces,
-                                                 run_tensor_parallel, tp_prefill)
+from minillm.distributed.parallel_state import TensorParallelGroup, simulate_all_gather, simulate_all_reduce  # noqa: E402
+from minillm.distributed.tensor_parallel import (  # noqa: E402
+    TensorParallelResult,
+    expected_all_gather_bytes,
+    expected_all_reduce_bytes,
+    expected_num_all_reduces,
+    run_tensor_parallel,
+    tp_prefill,
+)
 
 __all__ += ["TensorParallelGroup", "TensorParallelResult", "expected_all_gather_bytes", "expected_all_reduce_bytes",
             "expected_num_all_reduces", "run_tensor_parallel", "simulate_all_gather", "simulate_all_reduce",

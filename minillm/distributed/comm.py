@@ -116,8 +116,10 @@ class RingExchange:
         self._what = f"rank {self.rank}: ring step {step} at layer {layer_idx}"
         try:
             # Tag by step so a late message from the previous step can never be taken for this one.
-            self._works = [dist.isend(block.contiguous(), self.next_global, group=self.group, tag=step),
-                           dist.irecv(self._recv, self.prev_global, group=self.group, tag=step)]
+            send = dist.isend(block.contiguous(), self.next_global, group=self.group, tag=step)
+            recv = dist.irecv(self._recv, self.prev_global, group=self.group, tag=step)
+            assert send is not None and recv is not None  # None only on a rank outside the group
+            self._works = [send, recv]
         except Exception as e:
             raise CollectiveError(f"{self._what} failed to start: {type(e).__name__}: {e}") from e
         self.stats.bytes_sent[layer_idx] += block.numel() * block.element_size()

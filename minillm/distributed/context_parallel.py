@@ -1,13 +1,8 @@
-"""Context-parallel prefill: the chunks of one prompt on several ranks at once, advancing layer by layer together.
+"""Context-parallel prefill: the pieces of one prompt on several ranks at once, advancing layer by layer together.
 
-Rank ``r`` holds the tokens of its pieces of the prompt (:mod:`minillm.distributed.splits`) and runs the unchanged
-model on them. The only place a token needs another rank's tokens is attention, so the model is given
-:class:`ContextParallelAttention` as its ``attn``: at every layer it exchanges K/V with the other ranks
-(:mod:`minillm.distributed.comm`) and applies the causal rule by *absolute* position. Embedding, norms, projections,
-RoPE (positions are passed explicitly) and the MLP are per token and need nothing from anyone.
-
-:class:`~minillm.distributed.context_parallel_executor.ContextParallelExecutor` starts the processes for you. Under
-``torchrun`` (one process per rank, ``MASTER_ADDR``/``MASTER_PORT`` set for you) the same code runs as::
+Rank ``r`` runs the unchanged model on its pieces (:mod:`minillm.distributed.splits`). Only attention needs other
+ranks' tokens, so the model gets :class:`ContextParallelAttention` as its ``attn``: at every layer it exchanges K/V
+(:mod:`minillm.distributed.comm`) and applies the causal rule by *absolute* position. Under ``torchrun``::
 
     dist.init_process_group("gloo")
     split = make_split(len(ids), dist.get_world_size(), "zigzag")
@@ -15,15 +10,13 @@ RoPE (positions are passed explicitly) and the MLP are per token and need nothin
 
 vLLM counterparts: ``prefill_context_parallel_size`` in ``ParallelConfig`` (``vllm/config/parallel.py``), the group
 ``get_pcp_group()`` (``vllm/distributed/parallel_state.py``), token partitioning in
-``vllm/v1/worker/gpu/pcp_manager.py`` (``PCPManager.partition_batch``; older releases did it in
-``vllm/v1/worker/cp_utils.py``), and the attention backends that support it (``AttentionBackend.supports_pcp`` in
-``vllm/v1/attention/backend.py``). Ring attention: Liu et al., "Ring Attention with
-Blockwise Transformers for Near-Infinite Context" (2023).
+``vllm/v1/worker/gpu/pcp_manager.py`` (``PCPManager.partition_batch``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +24,9 @@ import torch.distributed as dist
 from minillm.attention.reference import merge_attn_states, reference_attention
 from minillm.distributed.comm import CommStats, RingExchange, all_gather_kv
 from minillm.distributed.splits import ContextSplit, Piece
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaForCausalLM
 
 STRATEGIES = ("allgather", "ring")
 
@@ -198,7 +194,7 @@ class RankPrefillOutput:
 
 
 @torch.inference_mode()
-def context_parallel_forward(model: torch.nn.Module, input_ids: torch.Tensor, split: ContextSplit,
+def context_parallel_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, split: ContextSplit,
                              group: dist.ProcessGroup, strategy: str = "allgather", timeout_s: float = 60.0,
                              fail_at_layer: int | None = None, fail_mode: str = "raise") -> RankPrefillOutput:
     """Run this rank's share of a prefill; call it on every rank of ``group`` at the same time.
@@ -227,6 +223,8 @@ def context_parallel_forward(model: torch.nn.Module, input_ids: torch.Tensor, sp
     logits = None
     if rank == split.last_token_rank:
         logits = model.compute_logits(hidden[-1:])[0]  # the final position is this rank's last local row
-    k, v = attn.kv_shard[-1]
+    last = attn.kv_shard[-1]
+    assert last is not None  # the forward pass ran every layer
+    k, v = last
     return RankPrefillOutput(rank, positions, hidden, torch.stack([k, v]), logits, attn.stats.bytes_sent,
                              attn.score_entries, attn.attn_cpu_s, forward_cpu_s, forward_wall_s, attn.stats.wait_s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from minillm.distributed.jobs import JobExecutor, WorkerContext, check_input_ids
 from minillm.distributed.splits import ContextSplit, make_split
 from minillm.executor.multiproc_executor import WorkerError
 from minillm.sampling_params import is_int
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaForCausalLM
 
 
 class ContextParallelError(WorkerError):
@@ -90,7 +94,7 @@ class ContextParallelExecutor(JobExecutor):
             next_token = int(result.logits.argmax())
     """
 
-    def __init__(self, models: dict[str, torch.nn.Module], world_size: int, timeout_s: float = 60.0,
+    def __init__(self, models: dict[str, LlamaForCausalLM], world_size: int, timeout_s: float = 60.0,
                  start_timeout_s: float = 180.0) -> None:
         super().__init__(models, world_size, timeout_s, start_timeout_s, error_cls=ContextParallelError)
 

@@ -1,22 +1,13 @@
 """Disaggregated prefill: one engine prefills, another decodes, and a KV connector carries the prompt's K/V across.
 
-- :func:`run_requests`: drive one engine until its requests are done *and* its transfers are (a producer's blocks
-  come back only when its sends complete).
-- :func:`prefill_then_decode`: the pair in one process, one after the other (the shared-storage connector: the
-  files are the hand-off).
-- :func:`disaggregated_worker`: the pair in two processes at once, for
-  :meth:`~minillm.distributed.jobs.JobExecutor.run_job` with ``world_size=2``: rank 0 prefills and
-  sends each prompt's K/V with :class:`~minillm.distributed.kv_transfer.TorchDistributedConnector`, rank 1 receives
-  it and decodes.
-
-The prefill engine gets each request with ``max_tokens=1``: it computes the prompt (in chunks, with prefix caching,
-as any engine would), samples one token, finishes, and hands the K/V off. The decode engine gets the same request id
-and prompt with the real ``max_tokens``; its scheduler counts the transferred tokens as computed and schedules only
-the last prompt token, whose forward pass gives the first output token. Greedy outputs equal one engine's.
+The prefill engine runs each request with ``max_tokens=1`` and hands its K/V off; the decode engine gets the same
+request id and prompt, counts the transferred tokens as computed and computes only the last prompt token. Greedy
+outputs equal one engine's. :func:`run_requests` drives one engine until its requests *and* its transfers are done;
+:func:`prefill_then_decode` runs the pair in one process (files are the hand-off); :func:`disaggregated_worker`
+runs it in two (rank 0 prefills and sends, rank 1 receives and decodes).
 
 vLLM counterpart: a router in front of a prefill instance (``kv_role="kv_producer"``) and a decode instance
-(``"kv_consumer"``) does the same with two servers: it sends the request to the prefill instance with
-``max_tokens=1``, then to the decode instance (vLLM's ``disaggregated_serving`` examples). Chapter 9 of the course.
+(``"kv_consumer"``) does the same with two servers (vLLM's ``disaggregated_serving`` examples).
 """
 from __future__ import annotations
 
@@ -81,8 +72,9 @@ def prefill_then_decode(prefill_engine: LLMEngine, decode_engine: LLMEngine,
     same as the decode engine's first, and is not returned).
     """
     ids = list(request_ids) if request_ids is not None else [f"req-{i}" for i in range(len(prompts))]
-    run_requests(prefill_engine, [(rid, p, params.clone(max_tokens=1, min_tokens=0)) for rid, p in zip(ids, prompts)])
-    return run_requests(decode_engine, [(rid, p, params) for rid, p in zip(ids, prompts)])
+    run_requests(prefill_engine, [(rid, p, params.clone(max_tokens=1, min_tokens=0))
+                                  for rid, p in zip(ids, prompts, strict=False)])
+    return run_requests(decode_engine, [(rid, p, params) for rid, p in zip(ids, prompts, strict=False)])
 
 
 def disaggregated_worker(ctx: Any, model: str, prompts: list[list[int]], max_tokens: int,

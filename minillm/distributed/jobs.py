@@ -1,23 +1,20 @@
-"""Chapters 7 and 9's jobs: one-off functions run on the first ``k`` ranks of an executor whose ranks hold full
-models.
+"""One-off jobs on the first ``k`` ranks of an executor whose ranks hold full models.
 
-The engine's :class:`~minillm.executor.multiproc_executor.MultiprocExecutor` runs the same call on every rank. Chapters
-7 and 9 use it with a different worker: :class:`JobWorker` holds whole models (sent once, as shared memory) and one
-gloo sub-group per size ``k`` (ranks ``0 ... k-1``), so one set of processes serves 2-, 3- and 4-rank jobs alike.
-:class:`JobExecutor` is that executor; :meth:`JobExecutor.run_job` runs a job function ``fn(ctx, **kwargs)`` on ranks
-``0 ... k-1`` (the others return at once) and hands each a :class:`WorkerContext`: its rank, the job's group, the
-models and the job's timeout.
+:class:`JobWorker` holds whole models (sent once, as shared memory) and one gloo sub-group per size ``k`` (ranks
+``0 ... k-1``), so one set of processes serves 2-, 3- and 4-rank jobs alike. :class:`JobExecutor` is the engine's
+:class:`~minillm.executor.multiproc_executor.MultiprocExecutor` with that worker; :meth:`JobExecutor.run_job` runs
+``fn(ctx, **kwargs)`` on ranks ``0 ... k-1`` with a :class:`WorkerContext` (rank, group, models, timeout).
 
 vLLM counterpart: ``MultiprocExecutor.collective_rpc`` with a callable (``vllm/v1/executor/multiproc_executor.py``),
-which runs it as ``fn(worker, *args, **kwargs)`` on every worker (``vllm/v1/serial_utils.py:run_method``); vLLM has
-no sub-groups of the first ``k`` ranks, a convenience of this course's chapters.
+run as ``fn(worker, *args, **kwargs)`` on every worker (``vllm/v1/serial_utils.py:run_method``); vLLM has no
+sub-groups of the first ``k`` ranks.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +22,9 @@ from minillm.config import LlamaConfig
 from minillm.distributed.parallel_state import TensorParallelGroup, check_timeout
 from minillm.executor.multiproc_executor import MultiprocExecutor, WorkerError, check_importable_function
 from minillm.sampling_params import is_int
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaForCausalLM
 
 # Beyond the job's own timeout (which every collective inside it uses), how long the caller waits for its answer:
 # loading nothing, a job may still spend a while after its last collective (building an engine, gathering outputs).
@@ -46,7 +46,7 @@ class WorkerContext:
     rank: int
     world_size: int
     group: Any
-    models: dict[str, torch.nn.Module]
+    models: dict[str, LlamaForCausalLM]
     timeout_s: float
 
 
@@ -59,7 +59,7 @@ class JobWorker:
         models: name -> model (already in this process: the executor sent them).
     """
 
-    def __init__(self, rank: int, tp_group: TensorParallelGroup, models: dict[str, torch.nn.Module]) -> None:
+    def __init__(self, rank: int, tp_group: TensorParallelGroup, models: dict[str, LlamaForCausalLM]) -> None:
         import torch.distributed as dist
 
         self.rank = rank
@@ -94,7 +94,7 @@ class JobExecutor(MultiprocExecutor):
             outs = ex.run_job(my_module.my_function, world_size=3, kwargs={"n": 4})  # one result per rank
     """
 
-    def __init__(self, models: dict[str, torch.nn.Module], world_size: int, timeout_s: float = 60.0,
+    def __init__(self, models: dict[str, LlamaForCausalLM], world_size: int, timeout_s: float = 60.0,
                  start_timeout_s: float = 180.0, error_cls: type[Exception] = WorkerError) -> None:
         if not models:
             raise ValueError("give at least one model")

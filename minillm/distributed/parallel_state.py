@@ -1,23 +1,13 @@
-"""The tensor-parallel group: who the ranks sharing one model's weights are, and the two collectives they use.
+"""The tensor-parallel group: the ranks sharing one model's weights, and the two collectives they use.
 
-Tensor parallelism (chapter 9) splits every weight matrix of the model across ``tp_size`` ranks. The ranks then
-need exactly two collectives:
-
-- **all-reduce** (sum): after a row-parallel layer (``o_proj``, ``down_proj``) and the vocab-parallel embedding,
-  each rank holds a *partial* sum of the full output; the all-reduce leaves the full sum on every rank.
-- **all-gather**: after the parallel LM head, each rank holds the logits of its slice of the vocabulary; the
-  all-gather concatenates the slices so every rank has the full ``[n, vocab]`` logits.
-
-:class:`TensorParallelGroup` wraps a gloo process group (or ``None`` for a one-rank group, which needs no
-communication), waits on every collective with a timeout (a peer that died or stalled raises
-:class:`~minillm.distributed.comm.CollectiveError` instead of hanging), and counts the bytes it moved.
-
-:func:`simulate_all_reduce` and :func:`simulate_all_gather` are the same two operations for ranks simulated in one
-process (a list holding one tensor per rank), for teaching and exercises.
+An **all-reduce** (sum) after each row-parallel layer and the vocab-parallel embedding turns the ranks' partial sums
+into the full output; an **all-gather** after the parallel LM head joins the ranks' vocabulary slices of the logits.
+:class:`TensorParallelGroup` wraps a gloo group (``None``: one rank, no communication), waits on every collective
+with a timeout (a dead or stalled peer raises :class:`~minillm.distributed.comm.CollectiveError`) and counts the
+bytes. :func:`simulate_all_reduce` and :func:`simulate_all_gather` do the same for ranks simulated in one process.
 
 vLLM counterpart: ``vllm/distributed/parallel_state.py:GroupCoordinator`` (``all_reduce``, ``all_gather``), the
-tensor-parallel group returned by ``get_tp_group()``; the models call it through
-``vllm/distributed/communication_op.py:tensor_model_parallel_all_reduce``.
+group of ``get_tp_group()``, called through ``vllm/distributed/communication_op.py:tensor_model_parallel_all_reduce``.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """How the tokens of one prompt are dealt out to the ranks of a context-parallel group.
 
-A split cuts positions ``0 ... num_tokens-1`` into contiguous *pieces* and gives each rank one or more of them:
+A split cuts positions ``0 ... num_tokens-1`` into contiguous *pieces*: ``plain`` gives rank ``r`` piece ``r`` of
+``N``; ``zigzag`` gives it pieces ``r`` and ``2N-1-r`` of ``2N``, one early and one late, so every rank has about the
+same causal attention to do. Every rank rebuilds the split from ``(num_tokens, world_size, kind)``: no positions are
+sent. Pieces differ by at most one token.
 
-- ``plain``: ``N`` pieces, rank ``r`` takes piece ``r`` (the 4 chunks of learner question Q1, one per process).
-- ``zigzag``: ``2N`` pieces, rank ``r`` takes pieces ``r`` and ``2N-1-r``: one early and one late piece, so every rank
-  has about the same amount of causal attention to do.
-
-Every rank can rebuild the whole split from ``(num_tokens, world_size, kind)``, so no positions ever need to be sent.
-
-vLLM counterpart: ``vllm/v1/worker/gpu/pcp_manager.py:PCPManager.partition_batch`` (Model Runner V2, prefill
-context parallel, "DualChunkSwap": ``PCPManager._iter_rank_chunks`` cuts each prefill into ``2 * pcp_world_size``
-chunks of ``ceil(query_len / (2 * pcp_world_size))`` tokens and gives rank ``r`` chunks ``r`` and
-``2 * pcp_world_size - 1 - r``; decodes are not split). It does not pad the prompt: its last chunks are shorter (or
-empty), and ``hidden_restore_idx`` puts the gathered hidden states back in token order. Here the pieces differ by at
-most one token instead. Older releases did this in ``vllm/v1/worker/cp_utils.py``.
+vLLM counterpart: ``vllm/v1/worker/gpu/pcp_manager.py:PCPManager.partition_batch`` ("DualChunkSwap",
+``PCPManager._iter_rank_chunks``: chunks ``r`` and ``2 * pcp_world_size - 1 - r``), which leaves its last chunks
+shorter instead and does not split decodes.
 """
 from __future__ import annotations
 
@@ -129,6 +123,7 @@ def make_split(num_tokens: int, world_size: int, kind: str = "plain") -> Context
         raise ValueError(f"a {kind} split over {world_size} ranks needs at least {num_pieces} tokens "
                          f"(one per piece), got num_tokens={num_tokens}")
     cut = _cut(num_tokens, num_pieces)
+    pieces: tuple[tuple[Piece, ...], ...]
     if kind == "plain":
         pieces = tuple((cut[r],) for r in range(world_size))
     else:

@@ -1,22 +1,16 @@
-"""Tensor-parallel prefill on real worker processes: the job each rank runs, the parent's helper, and the formulas.
+"""Tensor-parallel prefill on real worker processes: the job each rank runs, the caller's helper, and the formulas.
 
-- :func:`tp_prefill` is the job: run by :meth:`~minillm.distributed.jobs.JobExecutor.run_job` on
-  ranks ``0 ... tp_size-1`` at once, each rank cuts its shard out of the full model it loaded, runs the prompt
-  through it (all-reducing with the others over gloo) and returns the last token's logits and what it communicated.
-- :func:`run_tensor_parallel` is what a caller uses: it checks every argument in the parent (so a bad one is a
-  ``ValueError`` there and the executor stays usable), sends the job and collects the ranks' results.
-- :func:`expected_all_reduce_bytes` and :func:`expected_all_gather_bytes` are the formulas the counted bytes are
-  checked against.
-
-Example::
+:func:`tp_prefill` is the job: on ranks ``0 ... tp_size-1`` each cuts its shard out of the full model it holds, runs
+the prompt (all-reducing over gloo) and returns the last token's logits and what it communicated.
+:func:`run_tensor_parallel` checks every argument in the caller's process, sends the job and collects the results;
+:func:`expected_all_reduce_bytes` and :func:`expected_all_gather_bytes` are what the counted bytes must equal::
 
     with JobExecutor({"smollm": model}, world_size=3) as ex:
         res = run_tensor_parallel(ex, "smollm", input_ids, tp_size=3)
-        next_token = int(res.logits.argmax())
 
-vLLM counterparts: ``tensor_parallel_size`` in ``vllm/config/parallel.py:ParallelConfig``; the executor sends the
-same work to every TP worker (``vllm/v1/executor/multiproc_executor.py:MultiprocExecutor.collective_rpc``), and
-each worker's model is built with the parallel layers of ``vllm/model_executor/layers/linear.py``.
+vLLM counterparts: ``tensor_parallel_size`` in ``vllm/config/parallel.py:ParallelConfig``;
+``vllm/v1/executor/multiproc_executor.py:MultiprocExecutor.collective_rpc`` sends the same work to every TP worker,
+whose model uses the parallel layers of ``vllm/model_executor/layers/linear.py``.
 """
 from __future__ import annotations
 

@@ -1,29 +1,21 @@
-"""``LLM``: offline batch inference in three lines, with vLLM's signature.
-
-::
-
-    from minillm.entrypoints.llm import LLM
-    from minillm.sampling_params import SamplingParams
+"""``LLM``: offline batch inference in three lines, with vLLM's signature::
 
     llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
     outputs = llm.generate(["Hello, my name is", "The capital of France is"], SamplingParams(temperature=0))
     print(outputs[0].outputs[0].text)
 
-``generate`` adds every prompt to an :class:`~minillm.engine.llm_engine.LLMEngine`, then collects its steps until all
-are finished: continuous batching, chunked prefill, prefix caching and preemption all happen inside, configured by the
-engine arguments given to ``LLM(...)``.
+``generate`` adds every prompt to an :class:`~minillm.engine.llm_engine.LLMEngine` and steps it until all are
+finished; ``generate_stream`` (not in vLLM's ``LLM``) yields the text as it grows.
 
-vLLM counterpart: ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LLM.chat``); ``LLM`` inherits ``_run_engine``
-with its tqdm bar from ``vllm/entrypoints/common/offline.py:OfflineInferenceMixin._run_engine``.
-``generate_stream`` is not in vLLM's ``LLM`` (vLLM streams through ``AsyncLLM.generate``); it is here so a notebook
-can watch the text grow without a server.
+vLLM counterpart: ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LLM.chat``), whose ``_run_engine`` comes from
+``vllm/entrypoints/common/offline.py:OfflineInferenceMixin._run_engine``.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -119,7 +111,7 @@ class LLM:
                              f"{short_repr(priority)}")
         # Phase 1, nothing added yet: tokenize and check every request (vLLM's Processor.process_inputs).
         processed = []
-        for i, (prompt, params, prio) in enumerate(zip(prompts, params_list, priorities)):
+        for i, (prompt, params, prio) in enumerate(zip(prompts, params_list, priorities, strict=True)):
             rid = str(next(self.request_counter))
             try:
                 processed.append(self.llm_engine.process_inputs(rid, prompt, params, priority=prio))
@@ -187,7 +179,8 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` dicts) or a list of conversations, with the
         model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = ([cast(Messages, messages)] if messages and isinstance(messages[0], dict)
+                         else list(cast(Sequence[Messages], messages)))
         if not conversations or any(not c for c in conversations):
             raise ValueError("chat needs at least one non-empty conversation")
         tok = self.llm_engine.tokenizer

@@ -1,18 +1,13 @@
 """A disk cache of what a GGUF file turns into: the dequantized fp32 weights and the tokenizer.
 
-Reading SmolLM2's GGUF file costs about 12 s of one core every time: ``gguf.GGUFReader`` parses ~50 000 vocabulary
-entries field by field (twice: once for the weights, once more inside transformers for the tokenizer), then the
-4-bit weights are dequantized. Every notebook kernel, every engine-core process started from a path and every test
-process pays it. The result never changes for a given file, so the first load keeps it (fp32 safetensors after the
-Q/K unpermute, and the tokenizer saved by ``save_pretrained``) and later loads read it back in about a second.
+Reading SmolLM2's GGUF file costs about 12 s of one core (the reader parses ~50 000 vocabulary entries, twice, then
+dequantizes); the first load keeps the result (fp32 safetensors after the Q/K unpermute, the tokenizer's
+``save_pretrained``) and later loads read it back in about a second. Where: ``$MINILLM_CACHE_DIR``, else
+``$XDG_CACHE_HOME/minillm``, else ``~/.cache/minillm`` (about 520 MB); ``MINILLM_CACHE_DIR=off`` turns it off. An
+entry is keyed by the file's path, size, mtime and :data:`CACHE_VERSION`, and written to a temporary directory
+renamed into place, so concurrent loads never see half of one.
 
-Where: ``$MINILLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/minillm``, else ``~/.cache/minillm`` (about 520 MB for
-SmolLM2). ``MINILLM_CACHE_DIR=off`` turns the cache off. An entry is keyed by the file's resolved path, size and
-modification time and by :data:`CACHE_VERSION`, so a changed file or a changed loader never reads a stale entry. An
-entry is written to a temporary directory and renamed into place, so two processes loading at once (pytest's
-workers) never see half of one.
-
-vLLM has no counterpart: it loads safetensors checkpoints, which need no conversion (v0.33.0 has no GGUF loader).
+vLLM counterpart: none; it loads safetensors checkpoints, which need no conversion.
 """
 from __future__ import annotations
 

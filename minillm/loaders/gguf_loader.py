@@ -8,16 +8,25 @@ Three things happen between the file and the model:
    Face to the two *halves* ``(x_i, x_{i+d/2})``. Its converter therefore reorders the rows of ``attn_q`` and
    ``attn_k`` within each head; we put them back so the "rotate half" RoPE of :mod:`minillm.model.layers` is right.
 3. **Renaming.** ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight`` and so on.
+
+vLLM counterpart: ``vllm/model_executor/model_loader/`` loads safetensors checkpoints; v0.33.0 has no GGUF loader.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import numpy as np
 import torch
 
 from minillm.config import LlamaConfig
-from minillm.model.llama import LlamaForCausalLM
+from minillm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    import gguf  # imported where it is used: only GGUF files need it
+
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -33,7 +42,7 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def unpermute_qk(weight: np.ndarray | torch.Tensor, num_heads: int) -> np.ndarray | torch.Tensor:
+def unpermute_qk(weight: ArrayT, num_heads: int) -> ArrayT:
     """Undo llama.cpp's Q/K row order: ``[num_heads * head_dim, hidden]`` rows interleaved pairwise -> halves.
 
     Within each head, GGUF stores rows ``0, d/2, 1, d/2+1, ...``; we return rows ``0, 1, ..., d/2-1, d/2, ...``.
@@ -52,7 +61,7 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
-def read_gguf_config(reader: "gguf.GGUFReader") -> LlamaConfig:  # noqa: F821 (gguf is imported lazily)
+def read_gguf_config(reader: gguf.GGUFReader) -> LlamaConfig:
     """Build a :class:`LlamaConfig` from a ``gguf.GGUFReader``'s metadata (``llama.*`` keys)."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
@@ -137,7 +146,7 @@ def _load_state(model: LlamaForCausalLM, state: dict[str, torch.Tensor], dtype: 
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.to(dtype)
-    for layer in model.model.layers:
+    for layer in cast(Iterable[LlamaDecoderLayer], model.model.layers):
         rope = layer.self_attn.rotary_emb
         rope.inv_freq = 1.0 / (rope.theta ** (
             torch.arange(0, rope.head_dim, 2, dtype=torch.float32, device=model.device) / rope.head_dim))

@@ -1,4 +1,7 @@
-"""Load a local Hugging Face Llama checkpoint directory (``config.json`` + ``*.safetensors``)."""
+"""Load a local Hugging Face Llama checkpoint directory (``config.json`` + ``*.safetensors``).
+
+vLLM counterpart: ``vllm/model_executor/model_loader/default_loader.py`` (``DefaultModelLoader``).
+"""
 from __future__ import annotations
 
 import json

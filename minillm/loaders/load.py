@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -12,6 +12,12 @@ from minillm.loaders.model_path import default_model_path
 from minillm.model.llama import LlamaForCausalLM
 
 
+@overload
+def load_model(model: str | Path | None = None, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu", tokenizer: Literal[True] = True) -> tuple[LlamaForCausalLM, Any]: ...
+@overload
+def load_model(model: str | Path | None = None, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu", *, tokenizer: Literal[False]) -> LlamaForCausalLM: ...
 def load_model(model: str | Path | None = None, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", tokenizer: bool = True
                ) -> LlamaForCausalLM | tuple[LlamaForCausalLM, Any]:

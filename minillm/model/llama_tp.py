@@ -1,32 +1,20 @@
 """The Llama model split across ``tp_size`` ranks by tensor parallelism (Megatron-style), one rank's view.
 
-Each rank runs every layer on every token, but with a slice of each weight matrix:
+Each rank runs every layer on every token with a slice of each weight: attention's ``qkv_proj`` (column-parallel by
+heads) and ``o_proj`` (row-parallel), the MLP's ``gate_up_proj`` and ``down_proj`` likewise, each pair finished by
+**one all-reduce**; the embedding split by vocabulary (one all-reduce), the LM head too (one all-gather); the norms
+replicated. A forward pass of ``n`` tokens costs ``1 + 2 * num_layers`` all-reduces of ``[n, hidden]``.
+:func:`simulate_tensor_parallel_forward` runs all ranks' shards in one process, summing their partials itself.
+``minillm/model/llama.py`` stays the single-process model, with separate ``q_proj``/``k_proj``/``v_proj``.
 
-- attention: ``qkv_proj`` (column-parallel by heads) gives this rank's query heads and the KV heads they read;
-  attention runs on those heads only (heads never talk to each other inside attention); ``o_proj`` (row-parallel)
-  turns this rank's heads into a partial residual update, and **one all-reduce** sums the ranks' partials;
-- MLP: ``gate_up_proj`` (column-parallel) gives this rank's slice of the intermediate features, ``silu(gate) * up``
-  is per feature so it needs nothing from the others, ``down_proj`` (row-parallel) gives a partial, and **one
-  all-reduce** sums them;
-- the embedding is split by vocabulary (one all-reduce), the LM head too (one all-gather of the logits);
-- the norms are tiny and replicated: every rank holds the full residual stream after each all-reduce.
-
-So a forward pass of ``n`` tokens costs ``1 + 2 * num_layers`` all-reduces of ``[n, hidden]`` and the logits one
-all-gather (:func:`~minillm.distributed.tensor_parallel.expected_all_reduce_bytes`).
-
-A rank built without a group (``tp_rank``, ``tp_size`` only) cannot communicate;
-:func:`simulate_tensor_parallel_forward` runs such shards of all ranks in one process, layer by layer in lockstep, summing their partial outputs itself. It
-is the same arithmetic as the real run with the all-reduce replaced by
-:func:`~minillm.distributed.parallel_state.simulate_all_reduce`.
-
-Why a separate file: ``minillm/model/llama.py`` stays the single-process model the earlier chapters read line by
-line (separate ``q_proj``/``k_proj``/``v_proj``); in vLLM there is only one model, already written with the
-parallel layers, ``vllm/model_executor/models/llama.py`` (``LlamaAttention`` with ``qkv_proj`` and ``o_proj``,
-``LlamaMLP`` with ``gate_up_proj`` and ``down_proj``), which with ``tensor_parallel_size=1`` is the plain model.
+vLLM counterpart: ``vllm/model_executor/models/llama.py`` (``LlamaAttention`` with ``qkv_proj`` and ``o_proj``,
+``LlamaMLP`` with ``gate_up_proj`` and ``down_proj``), one model for every ``tensor_parallel_size``.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -34,12 +22,23 @@ from torch import nn
 from minillm.attention.backend import AttentionImpl
 from minillm.attention.reference import reference_attention
 from minillm.config import LlamaConfig
-from minillm.distributed.parallel_state import (TensorParallelGroup, check_tp_rank, simulate_all_gather,
-                                                simulate_all_reduce)
+from minillm.distributed.parallel_state import (
+    TensorParallelGroup,
+    check_tp_rank,
+    simulate_all_gather,
+    simulate_all_reduce,
+)
 from minillm.model.layers import RMSNorm, RotaryEmbedding, share_rotary_cache
-from minillm.model.llama import LlamaForCausalLM, check_token_ids
-from minillm.model.parallel_layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                                           RowParallelLinear, VocabParallelEmbedding, check_head_split, shard_range)
+from minillm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, check_token_ids
+from minillm.model.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_head_split,
+    shard_range,
+)
 
 
 def check_tensor_parallel_config(config: LlamaConfig, tp_size: int) -> None:
@@ -75,7 +74,7 @@ class TensorParallelAttention(nn.Module):
     vLLM: ``vllm/model_executor/models/llama.py:LlamaAttention``.
     """
 
-    def __init__(self, attn: nn.Module, config: LlamaConfig, tp_rank: int, tp_size: int,
+    def __init__(self, attn: LlamaAttention, config: LlamaConfig, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None) -> None:
         super().__init__()
         self.layer_idx = attn.layer_idx
@@ -115,7 +114,7 @@ class TensorParallelMLP(nn.Module):
     vLLM: ``vllm/model_executor/models/llama.py:LlamaMLP``.
     """
 
-    def __init__(self, mlp: nn.Module, layer_idx: int, tp_rank: int, tp_size: int,
+    def __init__(self, mlp: LlamaMLP, layer_idx: int, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear([mlp.gate_proj, mlp.up_proj], tp_rank, tp_size)
@@ -142,7 +141,7 @@ class TensorParallelDecoderLayer(nn.Module):
     vLLM: ``vllm/model_executor/models/llama.py:LlamaDecoderLayer``.
     """
 
-    def __init__(self, layer: nn.Module, config: LlamaConfig, tp_rank: int, tp_size: int,
+    def __init__(self, layer: LlamaDecoderLayer, config: LlamaConfig, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None) -> None:
         super().__init__()
         self.self_attn = TensorParallelAttention(layer.self_attn, config, tp_rank, tp_size, group)
@@ -171,9 +170,13 @@ class _TensorParallelLlamaModel(nn.Module):
         super().__init__()
         config = model.config
         self.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, tp_rank, tp_size, group)
+        full_layers = cast(Iterable[LlamaDecoderLayer], model.model.layers)
         self.layers = nn.ModuleList(TensorParallelDecoderLayer(layer, config, tp_rank, tp_size, group)
-                                    for layer in model.model.layers)
+                                    for layer in full_layers)
         self.norm = _copy_norm(model.model.norm)
+
+    def layer(self, i: int) -> TensorParallelDecoderLayer:
+        return cast(TensorParallelDecoderLayer, self.layers[i])
 
 
 class TensorParallelLlamaForCausalLM(nn.Module):
@@ -240,7 +243,7 @@ class TensorParallelLlamaForCausalLM(nn.Module):
     @property
     def num_kv_heads(self) -> int:
         """The KV heads this rank holds, in every layer: what its share of the paged KV cache stores."""
-        return self.model.layers[0].self_attn.num_kv_heads
+        return self.model.layer(0).self_attn.num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn: AttentionImpl | None = None) -> torch.Tensor:
@@ -293,8 +296,8 @@ def simulate_tensor_parallel_forward(shards: list[TensorParallelLlamaForCausalLM
     h = simulate_all_reduce([s.embed_partial(input_ids) for s in shards])
     with share_rotary_cache(positions):
         for i in range(len(shards[0].model.layers)):
-            h = h + simulate_all_reduce([s.model.layers[i].attn_partial(positions, h) for s in shards])
-            h = h + simulate_all_reduce([s.model.layers[i].mlp_partial(h) for s in shards])
+            h = h + simulate_all_reduce([s.model.layer(i).attn_partial(positions, h) for s in shards])
+            h = h + simulate_all_reduce([s.model.layer(i).mlp_partial(h) for s in shards])
     return shards[0].model.norm(h)
 
 

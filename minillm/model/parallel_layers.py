@@ -1,38 +1,27 @@
 """Megatron-style tensor-parallel layers: each rank holds one shard of a full layer's weight.
 
-A linear layer ``y = x W^T`` with ``W`` of shape ``[out, in]`` can be split two ways across ``tp_size`` ranks:
-
-- **column-parallel** (:class:`ColumnParallelLinear`): split the *output* features. Rank ``r`` holds rows
-  ``r*out/tp ... (r+1)*out/tp - 1`` of ``W`` and computes that slice of ``y`` from the full ``x``. No
-  communication: each rank simply has fewer output features.
-- **row-parallel** (:class:`RowParallelLinear`): split the *input* features. Rank ``r`` holds columns
-  ``r*in/tp ... (r+1)*in/tp - 1`` of ``W`` and, given the matching slice of ``x``, computes a *partial* ``y``
-  of full shape; the sum of the partials over the ranks is ``y``, so one all-reduce finishes the layer.
-
-Put a column-parallel layer first and a row-parallel one second and the slice the first one outputs is exactly the
-slice the second one needs: the pair costs one all-reduce (Megatron-LM, Shoeybi et al. 2019). In a Llama layer the
-pairs are attention (``qkv_proj`` by heads, then ``o_proj``) and the MLP (``gate_up_proj``, then ``down_proj``).
-The vocabulary is split too: :class:`VocabParallelEmbedding` (ids outside a rank's slice give zeros; an all-reduce
-sums) and :class:`ParallelLMHead` (each rank computes the logits of its slice; an all-gather concatenates them).
-
-Each layer is built from the full layer (or its weight) and ``(tp_rank, tp_size)`` and keeps only its shard (a
-copy, so the full weight can be dropped). Layers that communicate take a
-:class:`~minillm.distributed.parallel_state.TensorParallelGroup`; their ``partial`` method is the computation
-without the communication, which is what a simulation of several ranks in one process sums itself
-(:func:`~minillm.distributed.parallel_state.simulate_all_reduce`).
+A **column-parallel** layer (:class:`ColumnParallelLinear`) splits ``W [out, in]`` by output features: each rank
+computes its slice of ``y`` from the full ``x``, no communication. A **row-parallel** one (:class:`RowParallelLinear`)
+splits the input features: each rank computes a *partial* ``y`` from its slice of ``x``, and one all-reduce sums
+them. Column then row costs one all-reduce per pair. :class:`VocabParallelEmbedding` and :class:`ParallelLMHead`
+split the vocabulary. Each layer copies its shard out of the full layer; ``partial`` is its computation without
+the communication, which a one-process simulation sums itself.
 
 vLLM counterparts: ``vllm/model_executor/layers/linear.py`` (``ColumnParallelLinear``, ``MergedColumnParallelLinear``,
 ``QKVParallelLinear``, ``RowParallelLinear``) and ``vllm/model_executor/layers/vocab_parallel_embedding.py``
-(``VocabParallelEmbedding``, ``ParallelLMHead``). vLLM builds empty shards and fills them while loading the
-checkpoint (each class's ``weight_loader`` narrows the full tensor to the rank's rows or columns); here the shard is
-cut from a model already loaded, which is the same slicing.
+(``VocabParallelEmbedding``, ``ParallelLMHead``), which fill empty shards while loading (``weight_loader``).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from minillm.distributed.parallel_state import TensorParallelGroup, check_tp_rank
+
+if TYPE_CHECKING:
+    from minillm.model.llama import LlamaAttention
 
 
 def _weight(full: nn.Module | torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -145,8 +134,8 @@ class MergedColumnParallelLinear(nn.Module):
         self.output_sizes = [s.output_size for s in shards]
         self.output_sizes_per_partition = [s.output_size_per_partition for s in shards]
         self.weight = nn.Parameter(torch.cat([s.weight for s in shards]), requires_grad=False)
-        self.bias = None if shards[0].bias is None else nn.Parameter(torch.cat([s.bias for s in shards]),
-                                                                     requires_grad=False)
+        biases: list[torch.Tensor] = [s.bias for s in shards if s.bias is not None]  # all or none, checked above
+        self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if biases else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[n, in_features]`` -> ``[n, sum(out_i) / tp_size]`` (this rank's slice of each layer, side by side)."""
@@ -255,11 +244,11 @@ class QKVParallelLinear(nn.Module):
         biases = (bq, bk, bv)
         if len({b is None for b in biases}) != 1:
             raise ValueError("either all of q, k, v have a bias or none has")
-        self.bias = None if bq is None else nn.Parameter(torch.cat([bq[qs:qe], bk[ks:ke], bv[ks:ke]]).clone(),
-                                                         requires_grad=False)
+        self.bias = (nn.Parameter(torch.cat([bq[qs:qe], bk[ks:ke], bv[ks:ke]]).clone(), requires_grad=False)
+                     if bq is not None and bk is not None and bv is not None else None)  # all or none: checked
 
     @classmethod
-    def from_attention(cls, attn: nn.Module, tp_rank: int, tp_size: int) -> "QKVParallelLinear":
+    def from_attention(cls, attn: LlamaAttention, tp_rank: int, tp_size: int) -> QKVParallelLinear:
         """This rank's shard of a :class:`~minillm.model.llama.LlamaAttention`'s ``q_proj``, ``k_proj``, ``v_proj``."""
         return cls(attn.q_proj, attn.k_proj, attn.v_proj, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                    tp_rank, tp_size)
@@ -348,7 +337,7 @@ class VocabParallelEmbedding(nn.Module):
     ``get_masked_input_and_mask``).
     """
 
-    def __init__(self, full: nn.Embedding | torch.Tensor, tp_rank: int, tp_size: int,
+    def __init__(self, full: nn.Embedding | nn.Linear | torch.Tensor, tp_rank: int, tp_size: int,
                  group: TensorParallelGroup | None = None, name: str = "embed_tokens") -> None:
         super().__init__()
         weight, _ = _weight(full, type(self).__name__)

@@ -1,23 +1,13 @@
 """Which dtype this CPU is built for, and why: what ``dtype="auto"`` means on a CPU.
 
-A matmul in bf16 moves half the bytes of fp32, and on a CPU with bf16 dot-product instructions it also computes
-several times faster: AMX-BF16 (Intel Sapphire Rapids and later) and AVX512-BF16 (Intel Cooper Lake, AMD Zen 4
-and later) multiply bf16 pairs and add them into fp32 in one instruction, and PyTorch's matmuls (oneDNN) use
-them. Without those instructions (an AVX2 laptop) bf16 is emulated: converted to fp32 and back around every
-operation, slower than plain fp32. So ``"auto"`` is bf16 where the CPU says it has AMX-BF16 or AVX512-BF16
-(the ``amx_bf16`` / ``avx512_bf16`` flags of ``/proc/cpuinfo``), fp32 everywhere else.
+bf16 halves a matmul's bytes and, with bf16 dot-product instructions (AMX-BF16, AVX512-BF16: the ``amx_bf16`` /
+``avx512_bf16`` flags of ``/proc/cpuinfo``), computes several times faster; without them it is emulated, slower than
+fp32. So ``"auto"`` is bf16 where the CPU has those instructions, fp32 elsewhere; ``serve`` and ``bench`` run at it
+and print the choice (:func:`preferred_cpu_dtype`). ``EngineArgs()`` and ``LLM()`` keep fp32, which alone matches
+transformers' fp32 model logit for logit.
 
-``"auto"`` is what ``python -m minillm serve`` and ``bench`` run at unless told otherwise (``--dtype float32``),
-and :func:`preferred_cpu_dtype` says what it chose and why, which both print at start-up. It is not the default of
-``EngineArgs()`` or ``LLM()``: the lessons and the tests compare the engine with transformers' fp32 model token for
-token and logit for logit (1e-4), which only fp32 gives.
-
-vLLM counterpart: ``vllm/platforms/cpu.py`` (``CpuPlatform.supported_dtypes``: bf16 first on x86 whatever the flags)
-and ``vllm/config/model.py`` (``_resolve_auto_dtype``: ``"auto"`` takes the checkpoint's dtype and turns an fp32
-checkpoint into the platform's first supported dtype). vLLM's CPU kernels check the same flags:
-``vllm/platforms/cpu.py:CpuPlatform.import_kernels`` loads its AVX512-BF16 build only when
-``torch.cpu._is_avx512_bf16_supported()``.
-Here the checkpoint is a 4-bit GGUF dequantized at load, so only the machine decides.
+vLLM counterpart: ``vllm/platforms/cpu.py`` (``CpuPlatform.supported_dtypes``: bf16 first on x86 whatever the
+flags) and ``vllm/config/model.py`` (``_resolve_auto_dtype``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Sampling: from logits to tokens (``Sampler``), and verifying draft tokens (``RejectionSampler``)."""
+"""Sampling: from logits to tokens (``Sampler``), and verifying draft tokens (``RejectionSampler``).
+
+vLLM counterpart: ``vllm/v1/sample/``.
+"""
 from minillm.sample.logits_indices import compute_logits_indices, compute_spec_decode_logits_indices
 from minillm.sample.metadata import SamplingMetadata, make_generator
 from minillm.sample.rejection_sampler import RejectionSampler, assemble_spec_output

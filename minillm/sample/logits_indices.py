@@ -11,7 +11,7 @@ vLLM counterpart: ``GPUModelRunner._prepare_inputs`` and ``_calc_spec_decode_met
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -25,7 +25,8 @@ def compute_logits_indices(query_start_loc: torch.Tensor) -> torch.Tensor:
         int64 ``[num_reqs]``.
     """
     if query_start_loc.dim() != 1 or query_start_loc.numel() < 2:
-        raise ValueError(f"query_start_loc must be 1-D with num_reqs + 1 >= 2 entries, got {tuple(query_start_loc.shape)}")
+        raise ValueError(f"query_start_loc must be 1-D with num_reqs + 1 >= 2 entries, "
+                         f"got {tuple(query_start_loc.shape)}")
     lens = query_start_loc[1:] - query_start_loc[:-1]
     if bool((lens < 1).any()):
         raise ValueError(f"every request needs at least one scheduled token, got lengths {lens.tolist()}")

@@ -5,8 +5,8 @@ vLLM counterpart: ``vllm/v1/sample/metadata.py`` (``SamplingMetadata``); vLLM fi
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -71,7 +71,7 @@ class SamplingMetadata:
                     output_token_ids: Sequence[Sequence[int]] | None = None,
                     eos_token_id: int | None = None,
                     generators: dict[int, torch.Generator] | None = None,
-                    device: torch.device | str = "cpu") -> "SamplingMetadata":
+                    device: torch.device | str = "cpu") -> SamplingMetadata:
         """Build the batch tensors from one :class:`SamplingParams` per row.
 
         Args:
@@ -100,13 +100,13 @@ class SamplingMetadata:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
-        temperature = f32([0.0 if g else float(p.temperature) for p, g in zip(params, greedy)])
+        temperature = f32([0.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)])
         top_k = torch.tensor([min(int(p.top_k), TOP_K_CLAMP) for p in params], dtype=torch.int64, device=device)
         top_p = f32([p.top_p for p in params])
         min_p = f32([p.min_p for p in params])
         if generators is None:
             generators = {i: make_generator(p.seed, device) for i, p in enumerate(params)
-                          if p.sampling_type == SamplingType.RANDOM_SEED}
+                          if p.sampling_type == SamplingType.RANDOM_SEED and p.seed is not None}
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         min_tokens = {}
         for i, p in enumerate(params):
@@ -136,7 +136,7 @@ class SamplingMetadata:
             min_tokens=min_tokens,
         )
 
-    def expand_for_drafts(self, draft_token_ids: Sequence[Sequence[int]]) -> "SamplingMetadata":
+    def expand_for_drafts(self, draft_token_ids: Sequence[Sequence[int]]) -> SamplingMetadata:
         """Settings for the rows the rejection sampler scores: request ``i`` with ``d_i`` drafts gets ``d_i + 1``
         rows (one per draft position, then the bonus position). Row ``j`` of request ``i`` sees the outputs so far
         plus drafts ``0..j-1`` as its history, so penalties and ``min_tokens`` act as if the drafts had been
@@ -145,7 +145,13 @@ class SamplingMetadata:
             raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows, the batch has {self.num_reqs}")
         rows = [(i, j) for i, d in enumerate(draft_token_ids) for j in range(len(d) + 1)]
         idx = torch.tensor([i for i, _ in rows], dtype=torch.long)
-        pick = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[idx.to(t.device)]
+
+        def pick_optional(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else pick(t)
+
         outputs = [self.output_token_ids[i] + list(draft_token_ids[i][:j]) for i, j in rows]
         min_tokens = {}
         for r, (i, _) in enumerate(rows):
@@ -153,7 +159,8 @@ class SamplingMetadata:
                 min_tokens[r] = self.min_tokens[i]
         return SamplingMetadata(
             temperature=pick(self.temperature), all_greedy=self.all_greedy, all_random=self.all_random,
-            top_k=pick(self.top_k), top_p=pick(self.top_p), min_p=pick(self.min_p), generators={},
+            top_k=pick_optional(self.top_k), top_p=pick_optional(self.top_p), min_p=pick_optional(self.min_p),
+            generators={},
             max_num_logprobs=None, no_penalties=self.no_penalties,
             presence_penalties=pick(self.presence_penalties), frequency_penalties=pick(self.frequency_penalties),
             repetition_penalties=pick(self.repetition_penalties),

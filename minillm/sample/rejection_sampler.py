@@ -1,25 +1,18 @@
 """Verifying draft tokens with the target model: which drafts to keep, and the token that comes after them.
 
-For request ``i`` with drafts ``x_1..x_d``, the target model scored ``d + 1`` positions in one step. Walking the
-drafts in order:
+For drafts ``x_1..x_d`` the target scored ``d + 1`` positions. Greedy requests keep ``x_j`` while it equals the
+target's argmax and at the first mismatch take the argmax (the *recovered* token); sampling requests keep ``x_j`` with
+probability ``min(1, p(x_j) / q(x_j))`` (``q`` one-hot for an n-gram drafter) and on rejection draw from
+``max(p - q, 0)`` renormalised, which keeps the output distributed as ``p`` (Leviathan et al. 2023). All drafts
+kept: the last row gives a *bonus* token. Output: int32 ``[num_reqs, max_spec_len + 1]``, ``PLACEHOLDER_TOKEN_ID``
+after each row's last real token.
 
-* greedy requests keep ``x_j`` while it equals the target's argmax; at the first mismatch they take the argmax
-  instead (the *recovered* token) and stop;
-* sampling requests keep ``x_j`` with probability ``min(1, p(x_j) / q(x_j))`` (``p`` the target's filtered
-  distribution, ``q`` the drafter's; ``q`` is one-hot for an n-gram drafter, so the rule becomes "keep with
-  probability ``p(x_j)``"); on rejection they draw from ``max(p - q, 0)`` renormalised and stop. This keeps the
-  output distributed exactly as ``p`` (Leviathan et al. 2023, Chen et al. 2023).
-
-When all ``d`` drafts are kept, the last row gives a *bonus* token. The output is int32
-``[num_reqs, max_spec_len + 1]`` with ``PLACEHOLDER_TOKEN_ID`` after each row's last real token.
-
-vLLM counterpart: ``vllm/v1/sample/rejection_sampler.py`` (``RejectionSampler``), the V1 model runner's. Model Runner
-V2 (v0.33.0's default, ``vllm/v1/worker/gpu/spec_decode/rejection_sampler.py``) returns int64
-``[num_reqs, num_speculative_tokens + 1]`` without -1 padding, and a ``num_sampled`` count per row.
+vLLM counterpart: ``vllm/v1/sample/rejection_sampler.py`` (``RejectionSampler``); Model Runner V2's
+(``vllm/v1/worker/gpu/spec_decode/rejection_sampler.py``) returns int64 rows and a ``num_sampled`` count.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -1,21 +1,16 @@
 """The sampler: from one row of logits per request to one token per request, the whole batch in one pass.
 
-Stages, in the order of vLLM v0.33.0's V1 model runner sampler:
+Stages: (1) log-probabilities of the raw logits, if asked; (2) ``min_tokens`` blocks EOS and stop ids; (3)
+penalties; (4) greedy tokens by argmax; (5) temperature, min-p, top-k / top-p; (6) random tokens by the exponential
+race, seeded rows from their own generators; (7) each row takes its greedy or random token: int32 ``[num_reqs, 1]``.
 
-1. (if asked) log-probabilities of the raw logits, for the ``logprobs`` output;
-2. ``min_tokens``: block EOS / stop ids for rows that are not long enough yet;
-3. penalties (repetition, frequency, presence);
-4. greedy tokens = argmax (kept for the rows with temperature 0);
-5. temperature, then min-p, then top-k / top-p;
-6. random tokens by the exponential race (per-row generators for seeded requests);
-7. each row takes its greedy or its random token; the result is int32 ``[num_reqs, 1]``.
-
-vLLM counterpart: ``vllm/v1/sample/sampler.py`` (``Sampler``), the V1 model runner's. Model Runner V2, v0.33.0's
-default, has its own, ``vllm/v1/worker/gpu/sample/sampler.py`` (``Sampler``): ``logit_bias`` with the allowed-ids and
-``min_tokens`` masks, then penalties, then bad words, then temperature, min-p and top-k / top-p, and a Gumbel-max
-draw (the same race in log form, its noise hashed from seed and position); its tokens are int64.
+vLLM counterpart: ``vllm/v1/sample/sampler.py`` (``Sampler``), the V1 model runner's. Model Runner V2's
+``vllm/v1/worker/gpu/sample/sampler.py`` (``Sampler``) draws by Gumbel-max (the same race in log form) and returns
+int64 tokens.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -87,7 +82,7 @@ class Sampler(nn.Module):
         logits = self.apply_logits_processors(logits, md)
         sampled = self.sample(logits, md)
         logprobs = None
-        if raw_logprobs is not None:
+        if raw_logprobs is not None and md.max_num_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled.to(torch.int32).unsqueeze(-1), logprobs_tensors=logprobs)
 
@@ -117,10 +112,9 @@ class Sampler(nn.Module):
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """int64 ``[num_rows]``: argmax for greedy rows, an exponential-race draw for the others."""
-        greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
         random = random_sample(self.filtered_probs(logits, md, self.top_k_top_p), md.generators)
-        if greedy is None:
+        if md.all_random:
             return random
-        return torch.where(md.temperature < SAMPLING_EPS, greedy, random)
+        return torch.where(md.temperature < SAMPLING_EPS, logits.argmax(dim=-1), random)

@@ -1,1 +1,4 @@
-"""Speculative decoding: cheap draft tokens, verified by the target model in one step."""
+"""Speculative decoding: cheap draft tokens, verified by the target model in one step.
+
+vLLM counterpart: ``vllm/v1/spec_decode/``.
+"""

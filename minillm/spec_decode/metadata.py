@@ -4,8 +4,8 @@ vLLM counterpart: ``vllm/v1/spec_decode/metadata.py`` (``SpecDecodeMetadata``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ class SpecDecodeMetadata:
 
     @classmethod
     def make(cls, draft_token_ids: Sequence[Sequence[int]], query_start_loc: torch.Tensor | None = None
-             ) -> "SpecDecodeMetadata":
+             ) -> SpecDecodeMetadata:
         """From the drafts of each request and the step's ``query_start_loc`` (default: each request scheduled
         exactly its last sampled token plus its drafts, as in a pure decode step)."""
         num = [len(d) for d in draft_token_ids]

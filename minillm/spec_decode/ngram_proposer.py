@@ -8,7 +8,7 @@ vLLM counterpart: ``vllm/v1/spec_decode/ngram_proposer.py`` (``NgramProposer``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class NgramProposer:

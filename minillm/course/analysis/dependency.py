@@ -16,7 +16,7 @@ at once once layer ``l-1`` of all of them is done: that is what context parallel
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 Node = tuple[int, int]  # (layer, chunk)
 
@@ -104,9 +104,10 @@ def plot_dependency_graph(num_layers: int, num_chunks: int, ax: Any = None,
     hl: set[Node] = set()
     if highlight is not None:
         if (isinstance(highlight, tuple) and len(highlight) == 2 and all(isinstance(x, int) for x in highlight)):
-            hl = ancestors(*highlight) | {highlight}  # type: ignore[arg-type]
+            node = cast(Node, highlight)
+            hl = ancestors(*node) | {node}
         else:
-            hl = {tuple(n) for n in highlight}  # type: ignore[misc]
+            hl = {cast(Node, tuple(n)) for n in cast(Iterable[Iterable[int]], highlight)}  # [l, c] lists too
     steps: dict[Node, int] | None = None
     if isinstance(schedule, str):
         steps = schedule_steps(num_layers, num_chunks, schedule)

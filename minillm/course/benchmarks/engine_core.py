@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from minillm.course.benchmarks.throughput import OUTPUT_LENS, TIE_GAPS, Workload, compare_greedy, make_workload
 from minillm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minillm.course.benchmarks.throughput import OUTPUT_LENS, TIE_GAPS, Workload, compare_greedy, make_workload
 from minillm.engine import EngineCoreOutputs
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
@@ -95,7 +95,7 @@ class PlanMirror:
             self.block_ids[new.req_id] = list(new.block_ids)
             self.sampling_params[new.req_id] = new.sampling_params
         cached = plan.scheduled_cached_reqs
-        for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
+        for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if req_id in cached.all_token_ids:  # resumed, or not scheduled in the previous step: sent whole
                 self.token_ids[req_id] = list(cached.all_token_ids[req_id])
             if req_id in cached.resumed_req_ids:  # its block list starts over
@@ -118,7 +118,7 @@ class PlanMirror:
         and all its block ids. Call after :meth:`apply_plan` of that plan."""
         cached = plan.scheduled_cached_reqs
         context = {new.req_id: new.num_computed_tokens for new in plan.scheduled_new_reqs}
-        context.update(zip(cached.req_ids, cached.num_computed_tokens))
+        context.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         full = [NewRequestData(rid, list(self.token_ids[rid]), self.sampling_params[rid], list(self.block_ids[rid]),
                                context[rid]) for rid in plan.num_scheduled_tokens]
         return SchedulerOutput(full, CachedRequestData(), dict(plan.num_scheduled_tokens),
@@ -179,7 +179,7 @@ def measure_ipc(model: LlamaForCausalLM, tokenizer: Any, workload: Workload,
     mirror = PlanMirror()
     steps: list[StepIPC] = []
     try:
-        for i, (prompt, params) in enumerate(zip(workload.prompts, sampling_params(workload))):
+        for i, (prompt, params) in enumerate(zip(workload.prompts, sampling_params(workload), strict=True)):
             engine.add_request(f"r{i}", prompt, params)
         while engine.has_requests():
             start = time.perf_counter()
@@ -280,7 +280,7 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingPar
            ) -> tuple[dict[str, list[int]], list[float]]:
     """Add every request, then take and process outputs until all have finished: ``LLMEngine.step``'s two halves,
     kept apart to time each message's delivery."""
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"{prefix}{i}", prompt, p)
     tokens: dict[str, list[int]] = {}
     delivery = []
@@ -393,7 +393,7 @@ def plot_timeline(events: list[tuple[str, float, float]], path: str, num_steps: 
     colors = {"schedule": "tab:blue", "execute": "tab:orange", "update": "tab:green"}
     fig = Figure(figsize=(12, 4.8))
     axes = fig.subplots(2, 1)
-    for ax, (lo, hi) in zip(axes, [(0.0, max(e for kind in EVENT_KINDS for _, e in ms[kind])), zoom]):
+    for ax, (lo, hi) in zip(axes, [(0.0, max(e for kind in EVENT_KINDS for _, e in ms[kind])), zoom], strict=True):
         min_width = (hi - lo) / 400  # an event much shorter than the axis would not show at all
         for row, kind in enumerate(EVENT_KINDS):
             ax.broken_barh([(s, max(e - s, min_width)) for s, e in ms[kind]], (row - 0.35, 0.7),
@@ -528,7 +528,7 @@ def format_report(report: dict[str, Any]) -> str:
     for kind, row in report["ipc"].items():
         if not row["steps"]:
             continue
-        us = lambda name: f"{row[f'{name}_us_median']:.0f} / {row[f'{name}_us_p90']:.0f}"  # noqa: E731
+        us = lambda name, row=row: f"{row[f'{name}_us_median']:.0f} / {row[f'{name}_us_p90']:.0f}"  # noqa: E731
         lines.append(f"{kind:<9}{row['steps']:>5}{row['median_reqs']:>6.0f}{row['median_step_ms']:>9.1f}"
                      f"{row['plan_bytes']:>9.0f}{us('plan'):>12}{row['full_plan_bytes']:>13.0f}{us('full_plan'):>14}"
                      f"{row['full_over_diff']:>9.1f}x{row['outputs_bytes']:>11.0f}{us('outputs'):>12}")

@@ -81,7 +81,7 @@ def run_llama_cpp(bin_dir: Path, workload: Any, dtype: torch.dtype, threads: int
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     n = len(workload.prompts)
-    per_slot = max(len(p) + k for p, k in zip(workload.prompts, workload.output_lens))
+    per_slot = max(len(p) + k for p, k in zip(workload.prompts, workload.output_lens, strict=True))
     cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(n), "-c", str(n * (per_slot + 16)), "-t", str(threads), "-tb", str(threads),
            "--no-cache-prompt", "--no-webui", "--log-disable"]

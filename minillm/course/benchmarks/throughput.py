@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -39,12 +40,13 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from minillm.course.analysis.flops import layer_flops, lm_head_flops
 from minillm.config import LlamaConfig
+from minillm.course.analysis.flops import layer_flops, lm_head_flops
 from minillm.platforms.dtype import SERVING_DTYPE, resolve_dtype
 
 OUTPUT_LENS = (8, 16, 32, 64, 96)
@@ -86,7 +88,7 @@ def workload_flops(config: LlamaConfig, workload: Workload) -> int:
     token but the last fed back as a one-token chunk, through every layer; the LM head on one row per output token
     (only sampled rows need logits)."""
     one_layer = 0
-    for prompt, n_out in zip(workload.prompts, workload.output_lens):
+    for prompt, n_out in zip(workload.prompts, workload.output_lens, strict=True):
         one_layer += layer_flops(config, len(prompt), 0)["total"]
         for i in range(n_out - 1):
             one_layer += layer_flops(config, 1, len(prompt) + i)["total"]
@@ -213,9 +215,9 @@ def run_hf_padded(hf_model: Any, workload: Workload, pad_token_id: int = 0) -> P
 @torch.inference_mode()
 def run_hf_batch(hf_model: Any, workload: Workload, timeout_s: float = 1800.0) -> PeerResult:
     """transformers' continuous batching (the manager behind ``generate_batch``), per-request ``max_new_tokens``."""
-    from transformers import GenerationConfig
-
     import logging
+
+    from transformers import GenerationConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=None,
                               pad_token_id=0)
@@ -226,7 +228,7 @@ def run_hf_batch(hf_model: Any, workload: Workload, timeout_s: float = 1800.0) -
     start = time.perf_counter()
     try:
         ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-               for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens))]
+               for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))]
         results: dict[str, Any] = {}
         deadline = time.perf_counter() + timeout_s
         while len(results) < len(ids):
@@ -238,7 +240,7 @@ def run_hf_batch(hf_model: Any, workload: Workload, timeout_s: float = 1800.0) -
         seconds = time.perf_counter() - start  # stopping its thread is not timed, like building it
     finally:
         manager.stop(block=True)
-    tokens = [list(results[rid].generated_tokens)[:n] for rid, n in zip(ids, workload.output_lens)]
+    tokens = [list(results[rid].generated_tokens)[:n] for rid, n in zip(ids, workload.output_lens, strict=True)]
     return PeerResult("hf-batch", seconds, workload.num_output_tokens, tokens)
 
 
@@ -268,11 +270,11 @@ def compare_greedy(ours: list[list[int]], theirs: list[list[int]], hf_model: Any
         tie_gap = TIE_GAPS[hf_model.dtype]
     identical = ties = peer = real = 0
     gaps = []
-    for prompt, a, b in zip(workload.prompts, ours, theirs):
+    for prompt, a, b in zip(workload.prompts, ours, theirs, strict=False):
         if a == b:
             identical += 1
             continue
-        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         if i == min(len(a), len(b)):  # one is a prefix of the other: a length bug, not rounding
             real += 1
             continue
@@ -300,8 +302,9 @@ def load_hf_model(progress: bool = False, dtype: torch.dtype = torch.float32) ->
     from minillm.loaders.model_path import default_model_path
 
     path = default_model_path()
+    gguf_utils: Any  # the module whose tqdm is swapped during the load; None if transformers moved it
     try:  # transformers' GGUF conversion draws its own progress bar, ignoring its progress-bar switch
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     except ImportError:  # pragma: no cover
         gguf_utils = None
     bar = getattr(gguf_utils, "tqdm", None)
@@ -318,6 +321,11 @@ def load_hf_model(progress: bool = False, dtype: torch.dtype = torch.float32) ->
         hf_logging.set_verbosity(verbosity)
         if bar is not None:
             gguf_utils.tqdm = bar
+
+
+def _found(llama_bin: Path | None) -> Path:
+    assert llama_bin is not None, "llama.cpp runs only when a build was found"
+    return llama_bin
 
 
 def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any = None, tokenizer: Any = None,
@@ -378,7 +386,7 @@ def run_benchmark(workload: Workload, peers: tuple[str, ...] = PEERS, model: Any
                                                     **{**(engine_args or {}), "speculative_config": NGRAM_SPEC}),
                "hf-padded": lambda: run_hf_padded(hf_model, workload),
                "hf-batch": lambda: run_hf_batch(hf_model, workload),
-               "llama.cpp": lambda: run_llama_cpp(llama_bin, workload, model.dtype, torch.get_num_threads())}
+               "llama.cpp": lambda: run_llama_cpp(_found(llama_bin), workload, model.dtype, torch.get_num_threads())}
     peak = 0.0
     for round_ in range(repeat):
         for name in (p for p in PEERS if p in peers):
@@ -472,7 +480,7 @@ def format_report(report: dict[str, Any]) -> str:
     for name, v in report["tokens_per_second"].items():
         cells = [report.get(f"{ours}_over", {}).get(name) for ours in ("minillm", "minillm-ngram")]
         lines.append(f"{name:<15}{v:>10.1f}" + "".join(" " * w if c is None else f"{c:>{w}.2f}"
-                                                       for c, w in zip(cells, (15, 20))))
+                                                       for c, w in zip(cells, (15, 20), strict=True)))
     tps = report["tokens_per_second"]
     for ours in ("minillm", "minillm-ngram"):
         if "roofline" in tps and ours in tps:

@@ -1,8 +1,8 @@
 """``python -m minillm.course.exercises build [--check]``: regenerate ``exercises/`` from ``solutions/``.
 
-``python -m minillm.course.exercises nbgrader DIR [--demo ASSIGNMENT ...]``: write an nbgrader course directory built from
-``solutions/`` (see :mod:`minillm.course.exercises.nbgrader`); with ``--demo``, also grade three sample students on those
-assignments with nbgrader (the ``[classroom]`` extra).
+``python -m minillm.course.exercises nbgrader DIR [--demo ASSIGNMENT ...]``: write an nbgrader course directory
+built from ``solutions/`` (see :mod:`minillm.course.exercises.nbgrader`); with ``--demo``, also grade three sample
+students on those assignments with nbgrader (the ``[classroom]`` extra).
 """
 from __future__ import annotations
 

@@ -82,12 +82,12 @@ class AnswerServer:
 
     def _persistent_load(self, pid: Any) -> Any:
         kind = pid[0]
+        obj: Any
         if kind == "shared":
             obj = remote.resolve_shared(self.ns, pid[1])
             self._shared_back[id(obj)] = pid[1]
             return obj
         if kind == "opaque":
-            obj: Any
             if pid[2] == "lock":
                 obj = threading.Lock()
             elif pid[2] == "rlock":
@@ -122,8 +122,9 @@ class AnswerServer:
         unpickler = pickle.Unpickler(io.BytesIO(data))
         unpickler.persistent_load = self._persistent_load  # type: ignore[method-assign]
         message = unpickler.load()
-        self._memo = unpickler.memo.copy()
-        self._versions = {i: o._version for i, o in self._memo.items() if isinstance(o, torch.Tensor)}
+        memo: dict[int, Any] = unpickler.memo.copy()  # index -> object (typeshed says (index, object) tuples)
+        self._memo = memo
+        self._versions = {i: o._version for i, o in memo.items() if isinstance(o, torch.Tensor)}
         return message
 
     # --- writing a reply -------------------------------------------------------------------------------------------
@@ -270,6 +271,7 @@ class AnswerServer:
         with building(numbers, fn) as trip:
             result = fn(*args, **kwargs)
         if trip.target is not None:  # the answer caught the tripwire's error and went on: it still counts
+            assert trip.exercise is not None  # set with the target
             raise DelegationError(trip.exercise, trip.target)
         return result
 

@@ -23,20 +23,22 @@ def answer_number(source: str) -> str | None:
 # words a solution notebook's own such cell would carry (then none is added).
 ALLOWED_IMPORTS_CELL_ID = "allowed-imports"
 _ALLOWED_IMPORTS_MARK = "An answer may import:"
-_ALLOWED_IMPORTS_ZH = ("**可以导入什么：** 评分前，你的答案会先被读一遍：导入上面没有列出的模块、`minillm.course` 或练习要你"
-                       "自己实现的部分，都会被拒绝，答案不会运行。")
+_ALLOWED_IMPORTS_ZH = ("**可以导入什么：** 评分前，你的答案会先被读一遍：导入上面没有列出的模块、"
+                       "`minillm.course` 或练习要你自己实现的部分，都会被拒绝，答案不会运行。")
 
 
 def strip_solutions(source: str) -> str:
     """Replace every ``### BEGIN SOLUTION ... ### END SOLUTION`` region of a cell with a ``NotImplementedError``.
 
-    The message is the cell's ``# Exercise N.M: ...`` (or ``# Challenge N: ...``) title line. Raises ``ValueError`` on unbalanced markers or a
-    missing title, so a malformed solution notebook cannot silently produce a broken exercise.
+    The message is the cell's ``# Exercise N.M: ...`` (or ``# Challenge N: ...``) title line. Raises ``ValueError``
+    on unbalanced markers or a missing title, so a malformed solution notebook cannot silently produce a broken
+    exercise.
     """
     lines = source.splitlines()
     title = next((m.group(1).strip() for m in map(_TITLE.match, lines) if m), None)
     if title is None:
-        raise ValueError(f"a cell with {BEGIN!r} must start with a '# Exercise N.M: ...' or '# Challenge N: ...' line:\n{source[:200]}")
+        raise ValueError(f"a cell with {BEGIN!r} must start with a '# Exercise N.M: ...' or '# Challenge N: ...' "
+                         f"line:\n{source[:200]}")
     out: list[str] = []
     inside = False
     for line in lines:
@@ -108,7 +110,8 @@ def build_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 def build_all(solutions: Path = Path("solutions"), exercises: Path = Path("exercises"),
               check: bool = False) -> list[Path]:
-    """Build every ``solutions/*.ipynb`` into ``exercises/``; with ``check``, write nothing and return the stale ones."""
+    """Build every ``solutions/*.ipynb`` into ``exercises/``; with ``check``, write nothing and return the stale
+    ones."""
     exercises.mkdir(exist_ok=True)
     stale = []
     for src in sorted(solutions.glob("*.ipynb")):

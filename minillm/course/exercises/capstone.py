@@ -1,10 +1,10 @@
 """Chapter 8's capstone: the learner's parts run as the engine on SmolLM2, checked part by part and token by token.
 
 :func:`check_capstone` builds an :class:`~minillm.engine.llm_engine.LLMEngine` whose
-:class:`~minillm.engine.parts.EngineParts` are the learner's (from :func:`~minillm.course.exercises.parts.load_learner_parts`),
-runs a small workload chosen to need every part — prompts longer than the token budget (chunked prefill), prompts
-that share a prefix (prefix-cache hits), a KV cache too small for all of them (preemption), a sampled request with
-top-k/top-p, a stop token — and then requires
+:class:`~minillm.engine.parts.EngineParts` are the learner's (from
+:func:`~minillm.course.exercises.parts.load_learner_parts`), runs a small workload chosen to need every part — prompts
+longer than the token budget (chunked prefill), prompts that share a prefix (prefix-cache hits), a KV cache too small
+for all of them (preemption), a sampled request with top-k/top-p, a stop token — and then requires
 
 1. every call of every learner part to agree with the package's part on the same inputs (:class:`PartChecker`:
    the reference runs beside it, on copies of the same state). The first disagreement stops the run and is reported
@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from minillm.engine.parts import PART_NAMES, EngineParts
 from minillm.course.exercises.check import _compare, private_copy
 from minillm.course.exercises.parts import PART_SOURCES, LearnerParts
 from minillm.course.exercises.tripwire import DelegationError, guard
+from minillm.engine.parts import PART_NAMES, EngineParts
 
 _SOURCE = {s.part: s for s in PART_SOURCES}
 
@@ -78,8 +78,8 @@ def _guarded(learner: EngineParts, reference: EngineParts, package_parts: Iterab
     """``learner`` with each of its own parts under :func:`~minillm.course.exercises.tripwire.guard` for the part's
     exercises: while a learner's part runs, the package's implementation of that part raises. A part named in
     ``package_parts`` (the capstone's ``use_reference_for``) runs as it is; with ``package_parts=None``, so does
-    every part that is the reference's own object (an :class:`EngineParts` given directly). A learner's scheduler that inherits one of the methods its
-    exercises ask for fails here, before the engine is built."""
+    every part that is the reference's own object (an :class:`EngineParts` given directly). A learner's scheduler
+    that inherits one of the methods its exercises ask for fails here, before the engine is built."""
     changes: dict[str, Any] = {}
     for name in PART_NAMES:
         mine, ref = getattr(learner, name), getattr(reference, name)
@@ -187,7 +187,8 @@ class PartChecker:
         got = list(self._run("block_hashes", self.learner.block_hashes, token_ids, block_size))
         want = self.reference.block_hashes(ref_token_ids, block_size)
         if list(got) != list(want):
-            first = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+            first = next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w),
+                         min(len(got), len(want)))
             raise PartMismatch("block_hashes", self.step, f"hashes of {len(token_ids)} tokens",
                                f"{len(got)} hashes vs the reference's {len(want)}; first difference at block {first}",
                                "each block's hash must chain its parent's hash (exercise 2.3)" if first else "",
@@ -315,8 +316,8 @@ CAPSTONE_QUESTIONS = (
     "Name a fruit that is yellow.",
 )
 SAMPLED_PROMPT = "The three primary colours are"
-CAPSTONE_ARGS = dict(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=56,
-                     enable_prefix_caching=True, enable_chunked_prefill=True)
+CAPSTONE_ARGS: dict[str, Any] = dict(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=16, max_num_seqs=4,
+                                     max_model_len=56, enable_prefix_caching=True, enable_chunked_prefill=True)
 MAX_TOKENS = 10
 
 
@@ -410,14 +411,13 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
         run_engine: exercise 8.1, ``run_engine(engine, prompts, params) -> output token ids per prompt``.
         use_reference_for: parts to take from the package instead of the learner's notebooks.
         label: how reports name the parts under test ("your scheduler_cls ...").
-        guarded: run each learner part under :func:`~minillm.course.exercises.tripwire.guard` (the default), so a part that
-            calls the package's own implementation of itself fails. ``False`` only for a demonstration built on the
-            package's code (chapter 8's wrong scheduler, which inherits the package's running loop).
+        guarded: run each learner part under :func:`~minillm.course.exercises.tripwire.guard` (the default), so a part
+            that calls the package's own implementation of itself fails. ``False`` only for a demonstration built on
+            the package's code (chapter 8's wrong scheduler, which inherits the package's running loop).
     """
+    from minillm.course.exercises import grading
     from minillm.engine.arg_utils import EngineArgs
     from minillm.engine.llm_engine import LLMEngine
-
-    from minillm.course.exercises import grading
 
     parts = learner.engine_parts(use_reference_for) if isinstance(learner, LearnerParts) else learner
     package_parts = frozenset(set(PART_NAMES) - set(parts.replaced()))
@@ -442,7 +442,7 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
     tokens = [list(t) for t in tokens]  # taken before transformers' reference runs
 
     expected: list[list[int] | None] = []
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         if p.temperature > 0:
             expected.append(None)
             continue
@@ -450,7 +450,8 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
         expected.append(want)
         got = list(tokens[i])
         if got != want:
-            first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            first = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                         min(len(got), len(want)))
             raise AssertionError(
                 f"request {i} ({CAPSTONE_QUESTIONS[i]!r}): your engine's tokens differ from transformers' at output "
                 f"position {first} (yours {got}, transformers {want}), although every part agreed with the "
@@ -488,7 +489,7 @@ def _check_run_engine(runner: Callable[..., Any], model: Any, tokenizer: Any) ->
         raise AssertionError(f"run_engine must return one list of token ids per prompt ({len(prompts)}), got "
                              f"{type(tokens).__name__} of length {len(tokens) if hasattr(tokens, '__len__') else '?'}")
     want = run_requests(LLMEngine(model, tokenizer, EngineArgs(**CAPSTONE_ARGS)), [list(p) for p in prompts], params)
-    for i, (got, expected) in enumerate(zip(tokens, want)):
+    for i, (got, expected) in enumerate(zip(tokens, want, strict=True)):
         if params[i].temperature == 0 and list(got) != expected:
             raise AssertionError(f"request {i} ({CAPSTONE_QUESTIONS[i]!r}): run_engine (Exercise 8.1) on the "
                                  f"package's own engine returned {list(got)}, the engine's tokens are {expected}: "
@@ -498,7 +499,7 @@ def _check_run_engine(runner: Callable[..., Any], model: Any, tokenizer: Any) ->
 def run_requests(engine: Any, prompts: list[list[int]], params: list[Any]) -> list[list[int]]:
     """The package's answer to exercise 8.1: add each prompt as request ``capstone-i``, step until the engine is
     empty, return each prompt's output token ids in prompt order."""
-    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"capstone-{i}", prompt, sp)
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():

@@ -59,7 +59,7 @@ def _compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
     if isinstance(want, (tuple, list)) and want and isinstance(want[0], torch.Tensor):
         if not isinstance(got, (tuple, list)) or len(got) != len(want):
             return f"expected {len(want)} outputs, got {_describe(got)}"
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             msg = _compare(g, w, atol, rtol)
             if msg:
                 return f"output {i}: {msg}"
@@ -73,8 +73,8 @@ def check_cases(learner: Callable[..., Any], reference: Callable[..., Any], case
     """Call ``learner(**case)``, then ``reference(**case)``, for every case; raise ``AssertionError`` at the first
     difference, naming the case. Returns the number of cases checked (and prints it).
 
-    With ``exercise`` ("2.1"), the learner runs under :func:`~minillm.course.exercises.tripwire.guard`: an answer that calls
-    the package's own implementation of that exercise's part fails with
+    With ``exercise`` ("2.1"), the learner runs under :func:`~minillm.course.exercises.tripwire.guard`: an answer
+    that calls the package's own implementation of that exercise's part fails with
     :class:`~minillm.course.exercises.tripwire.DelegationError`. The reference always runs unguarded.
     """
     if exercise is not None:

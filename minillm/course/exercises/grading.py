@@ -57,7 +57,7 @@ CALL_TIMEOUT_S = float(os.environ.get("MINILLM_ANSWER_TIMEOUT_S", "600"))
 
 _PLAN: list[dict[str, Any]] = []
 _NAMESPACE: dict[str, Any] = {}
-_CLIENT: "AnswerClient | None" = None
+_CLIENT: AnswerClient | None = None
 _REFUSED: dict[str, BaseException] = {}
 
 # The checks' modules, imported before any answer runs (an answer could change files on disk; a module already
@@ -201,7 +201,7 @@ class RefusedAnswer:
         raise self.error
 
 
-def _client() -> "AnswerClient":
+def _client() -> AnswerClient:
     global _CLIENT
     if _CLIENT is None or not _CLIENT.alive():
         _CLIENT = AnswerClient(_NAMESPACE, plan=_PLAN)
@@ -213,7 +213,7 @@ def _client() -> "AnswerClient":
 class RemoteFunction:
     """A function (or a Triton kernel) of the answer, called in the answer's process."""
 
-    def __init__(self, client: "AnswerClient", handle: int, name: str) -> None:
+    def __init__(self, client: AnswerClient, handle: int, name: str) -> None:
         self._client, self._handle, self.__name__ = client, handle, name
         self.__qualname__ = name
 
@@ -228,10 +228,10 @@ class RemoteFunction:
     def __repr__(self) -> str:
         return f"<answer's function {self.__name__}>"
 
-    def __copy__(self) -> "RemoteFunction":
+    def __copy__(self) -> RemoteFunction:
         return self  # a function: a check's copy of a state holding it holds the same one
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "RemoteFunction":
+    def __deepcopy__(self, memo: dict[int, Any]) -> RemoteFunction:
         return self
 
 
@@ -265,7 +265,7 @@ class AnswerClient:
         self._lock = threading.Lock()
         atexit.register(self.close)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "AnswerClient":
+    def __deepcopy__(self, memo: dict[int, Any]) -> AnswerClient:
         return self  # one process per notebook: never copied with a state that refers to it
 
     def alive(self) -> bool:
@@ -436,7 +436,7 @@ class AnswerClient:
             try:
                 remote.send(self.sock, data)
                 reply_bytes = remote.recv(self.sock)
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 self.proc.kill()
                 raise remote.WireError(f"the answer ran for more than {self.timeout_s:g} s and was stopped") from None
             except (EOFError, OSError) as e:
@@ -568,7 +568,7 @@ def _answer_imports(imports: str) -> str:
     return "\n".join(keep)
 
 
-_CAPSTONE_CLIENT: "AnswerClient | None" = None
+_CAPSTONE_CLIENT: AnswerClient | None = None
 
 
 def load_answers(label: str, imports: str, answers: dict[str, str]) -> tuple[dict[str, Any], str | None]:

@@ -200,7 +200,7 @@ def _method_targets(exercise: str) -> dict[tuple[str, str], str]:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _package_classes() -> dict[str, list[tuple[tuple[str, ...], frozenset[str]]]]:
     """Class name -> (its bases' last names, the names its body defines) for every class of the minillm and
     kernels packages, read from their source (nothing imported)."""
@@ -216,15 +216,14 @@ def _package_classes() -> dict[str, list[tuple[tuple[str, ...], frozenset[str]]]
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 bases = tuple(b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases)
-                body = frozenset(n.name if not isinstance(n, ast.Assign) else t.id for n in node.body
-                                 for t in (n.targets if isinstance(n, ast.Assign) else [n])
-                                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                                 or isinstance(t, ast.Name))
+                body = frozenset([n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                                 + [t.id for n in node.body if isinstance(n, ast.Assign)
+                                    for t in n.targets if isinstance(t, ast.Name)])
                 classes.setdefault(node.name, []).append((bases, body))
     return classes
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _heirs(owner: str, method: str) -> frozenset[str]:
     """``owner`` and the package's classes that get ``owner.method`` by inheritance (by name, transitively)."""
     heirs, todo = {owner}, [owner]
@@ -347,10 +346,11 @@ class _Linter:
         for node in ast.walk(tree):
             targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
                        if isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None else [])
-            if isinstance(getattr(node, "value", None), (ast.Name, ast.Attribute)):
+            value = getattr(node, "value", None)
+            if isinstance(value, (ast.Name, ast.Attribute)):
                 for target in targets:
                     if isinstance(target, ast.Name):
-                        self.aliases.setdefault(target.id, []).append(node.value)
+                        self.aliases.setdefault(target.id, []).append(value)
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 self.receivers[id(node.value)] = node.attr
@@ -383,6 +383,8 @@ class _Linter:
                 self.imported[a.asname or a.name] = f"{node.module}.{a.name}"
 
     def annotation_text(self, const: ast.Constant) -> None:
+        if not isinstance(const.value, str):
+            return
         try:
             inner = ast.parse(const.value, mode="eval")
         except SyntaxError:
@@ -409,8 +411,9 @@ class _Linter:
             self.check_patch(node)
         elif isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)) and id(node) not in docstrings:
             text = node.value.decode("latin-1") if isinstance(node.value, bytes) else node.value
-            if _DUNDER.search(text):
-                self.add(node, "reflection", f"{self.code(node)} names a dunder ({_DUNDER.search(text).group()}): "
+            dunder = _DUNDER.search(text)
+            if dunder:
+                self.add(node, "reflection", f"{self.code(node)} names a dunder ({dunder.group()}): "
                                              "strings that name special attributes reach them by name")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             self.visit_definition(node)
@@ -586,8 +589,10 @@ class _Linter:
             return bool(owners) and not isinstance(node.value, ast.Call)   # super() calls: super_target
         function = self.enclosing(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         cls = function and self.enclosing(function, ast.ClassDef)
-        params = function.args.posonlyargs + function.args.args if function else []
-        if not (cls and params and node.value.id == params[0].arg):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or not isinstance(cls, ast.ClassDef):
+            return True  # not in a method
+        params = function.args.posonlyargs + function.args.args
+        if not (params and node.value.id == params[0].arg):
             return True
         defines = any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Assign)) and node.attr in (
             [n.name] if not isinstance(n, ast.Assign) else [t.id for t in n.targets if isinstance(t, ast.Name)])
@@ -638,7 +643,7 @@ class _Linter:
         root: ast.AST = node
         while isinstance(root, (ast.Attribute, ast.Subscript)):
             root = root.value
-        if self.made_elsewhere(node):
+        if isinstance(root, ast.Name) and self.made_elsewhere(node):
             self.add(node, "patch", f"{self.code(node)} changes `{root.id}`, which your answer did not make")
         elif isinstance(root, ast.Call) and isinstance(root.func, ast.Name) and root.func.id in ("type", "super"):
             self.add(node, "patch", f"{self.code(node)} changes a class your answer did not make")

@@ -47,7 +47,7 @@ from typing import Any
 
 import nbformat
 
-from minillm.course.exercises.build import BEGIN, END, _TITLE, strip_solutions, with_allowed_imports
+from minillm.course.exercises.build import _TITLE, BEGIN, END, strip_solutions, with_allowed_imports
 
 COURSE_ID = "minillm"
 STAR_POINTS = {"★": 1, "★★": 2, "★★★": 3}
@@ -173,8 +173,8 @@ def notebook_exercises(nb: nbformat.NotebookNode, name: str) -> list[Exercise]:
             raise ValueError(f"{name}: {what} needs a markdown heading '### {what} ★ title' "
                              "(★ to ★★★: its points) before its cell")
         check = next((j for j in range(i + 1, len(nb.cells)) if nb.cells[j].cell_type == "code"), None)
-        m = _CHECK.match(nb.cells[check].source.lstrip()) if check is not None else None
-        if m is None or _number(m.group(1)) != number:
+        check_line = _CHECK.match(nb.cells[check].source.lstrip()) if check is not None else None
+        if check is None or check_line is None or _number(check_line.group(1)) != number:
             raise ValueError(f"{name}: {what} must be followed by a '# Check {what}' cell")
         found.append(Exercise(number, title, stars[number], i, check))
     total = stated_points(nb, name)
@@ -318,7 +318,8 @@ def autograde_preprocessors() -> list[type]:
 
 
 def _replace(preprocessors: list[type], old: type, new: type) -> list[type]:
-    assert old in preprocessors, f"nbgrader no longer uses {old.__name__}; minillm.course.exercises.nbgrader must follow"
+    assert old in preprocessors, (f"nbgrader no longer uses {old.__name__}; minillm.course.exercises.nbgrader must "
+                                  f"follow")
     return [new if pp is old else pp for pp in preprocessors]
 
 
@@ -390,8 +391,9 @@ def _nbgrader_classes() -> dict[str, type]:
         def preprocess(self, nb: nbformat.NotebookNode, resources: dict) -> tuple[nbformat.NotebookNode, dict]:
             return restored_notebook(nb, resources)
 
-    classes = {"ExerciseClearSolutions": ExerciseClearSolutions, "ExerciseSaveAutoGrades": ExerciseSaveAutoGrades,
-               "GradingPrepare": GradingPrepare, "GradingRestore": GradingRestore}
+    classes: dict[str, type] = {"ExerciseClearSolutions": ExerciseClearSolutions,
+                                "ExerciseSaveAutoGrades": ExerciseSaveAutoGrades,
+                                "GradingPrepare": GradingPrepare, "GradingRestore": GradingRestore}
     for name, cls in classes.items():
         cls.__module__, cls.__qualname__ = __name__, name
     return classes

@@ -125,14 +125,14 @@ class LearnerParts:
 
 def _imports_of(cells: list[str]) -> str:
     """The top-level ``import`` / ``from ... import`` statements of the notebook's code cells, in order."""
-    out = []
+    out: list[str] = []
     for src in cells:
         plain = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in src.splitlines())
         try:
             tree = ast.parse(plain)
         except SyntaxError:
             continue  # a learner's half-written cell: its imports are not needed to load the other parts
-        out.extend(ast.get_source_segment(plain, node) for node in tree.body
+        out.extend(ast.get_source_segment(plain, node) or "" for node in tree.body
                    if isinstance(node, (ast.Import, ast.ImportFrom)))
     return "\n".join(out)
 

@@ -33,7 +33,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -198,6 +198,7 @@ def part_in_answer(fn: Callable[..., Any], numbers: tuple[str, ...]) -> Callable
         with building(numbers) as trip:
             result = fn(*args, **kwargs)
         if trip.target is not None:
+            assert trip.exercise is not None  # set with the target
             raise DelegationError(trip.exercise, trip.target)
         return result
     return part
@@ -302,7 +303,7 @@ def apply_states(memo: dict[int, Any], states: Any, skip: set[int]) -> None:
                     if obj.shape == state.shape:
                         obj.copy_(state)
                     else:
-                        obj.set_(state.to(obj.dtype))
+                        obj.set_(state.to(obj.dtype))  # type: ignore[call-overload]  # stubs lack set_(Tensor)
             elif kind == "deque" and isinstance(obj, collections.deque):
                 obj.clear()
                 obj.extend(state)
@@ -354,7 +355,8 @@ _SAFE_BUILTINS = {"set", "frozenset", "list", "dict", "tuple", "complex", "slice
                   "float", "str", "bytes", "bool", "object", "NotImplemented", "Ellipsis"}
 _PATH_CLASSES = ("Path", "PosixPath", "PurePath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
 _SAFE_CALLS: set[Any] = {set, frozenset, list, dict, tuple, complex, slice, range, bytearray, int, float, str, bytes,
-                         bool, collections.OrderedDict, collections.deque, collections.Counter, copyreg._reconstructor,
+                         bool, collections.OrderedDict, collections.deque, collections.Counter,
+                         copyreg._reconstructor,  # type: ignore[attr-defined]  # private: not in typeshed's copyreg
                          torch.device, torch.Size, rebuild_tensor, rebuild_ndarray, rebuild_numpy_scalar,
                          rebuild_generator, *(getattr(pathlib, n) for n in _PATH_CLASSES)}
 
@@ -364,11 +366,15 @@ def _package_class(module: str) -> bool:
         not module.startswith("minillm.course")
 
 
-class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class SafeUnpickler(pickle._Unpickler):
     """Reads what an answer's process sent. Classes come only from the engine's packages (never from
     ``minillm.course``: the checks and the tripwire), from ``collections`` and a few of ``torch``'s value types; a
     call (``REDUCE``) is allowed only for plain containers, enums, msgspec structs, :func:`rebuild_tensor` and what
     ``persistent_load`` hands out. Anything else is a :class:`WireError`."""
+
+    # Set by pickle._Unpickler.load (typeshed does not list them): the value stack and its append.
+    stack: list[Any]
+    append: Callable[[Any], None]
 
     def __init__(self, data: bytes, persistent_load: Callable[[Any], Any], allowed_calls: set[Any]) -> None:
         super().__init__(io.BytesIO(data))
@@ -402,7 +408,9 @@ class SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
                 return obj
         raise WireError(f"the answer's process sent a reference to {module}.{name}, which a check never needs")
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    # Opcode -> handler, called with the unpickler: the base class's, some replaced below by this class's own (which
+    # take a SafeUnpickler, hence Any).
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
 
     def _load_reduce(self) -> None:
         stack = self.stack

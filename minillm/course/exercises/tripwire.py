@@ -26,7 +26,6 @@ vLLM has nothing like this: it is a course's device, in the spirit of a test dou
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import re
 import sys
@@ -102,7 +101,8 @@ class DelegationError(AssertionError):
     An ``AssertionError``, so checks that let a learner's ``AssertionError`` through unchanged show it as it is.
 
     Attributes:
-        exercise: ``"2.1"`` (or a challenge, ``"C2"``); ``target``: what was called, ``"minillm.attention.paged:compute_slot_mapping"``.
+        exercise: ``"2.1"`` (or a challenge, ``"C2"``); ``target``: what was called,
+            ``"minillm.attention.paged:compute_slot_mapping"``.
     """
 
     def __init__(self, exercise: str, target: str) -> None:

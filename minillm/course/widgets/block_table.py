@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.course.widgets.figure_view import COLORS as _COLORS
+from minillm.course.widgets.figure_view import FigureView, render_png
 from minillm.request import Request
-from minillm.course.widgets.figure_view import COLORS as _COLORS, FigureView, render_png
 
 
 def _short(h: bytes | None) -> str:
@@ -48,7 +50,8 @@ def describe_kv_cache(manager: KVCacheManager, requests: Sequence[Request] = ())
     holders = _holders(manager)
     for b in manager.block_pool.blocks[1:]:
         if b.ref_cnt or b.block_hash is not None:
-            lines.append(f"  {b.block_id:5d}  {b.ref_cnt:3d}  {_short(b.block_hash)}  {','.join(holders.get(b.block_id, []))}")
+            held_by = ",".join(holders.get(b.block_id, []))
+            lines.append(f"  {b.block_id:5d}  {b.ref_cnt:3d}  {_short(b.block_hash)}  {held_by}")
     free = manager.block_pool.free_block_queue.get_all_free_blocks()
     lines.append("  free queue (evicted first -> last): "
                  + " ".join(f"{b.block_id}{'*' if b.block_hash is not None else ''}" for b in free)
@@ -127,7 +130,7 @@ class BlockTableWidget:
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self.prompts = dict(prompts or {"A": list(range(1, 11)), "B": list(range(1, 7)) + [50, 51, 52]})
         self.reset()
-        self._ui = None
+        self._ui: dict[str, Any] = {}  # the widgets, once ui() has built them
 
     def reset(self) -> str:
         """Start over with an empty pool."""

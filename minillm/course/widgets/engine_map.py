@@ -5,14 +5,15 @@ grey, so a learner always sees where the piece in front of them sits in the engi
 ``vllm/v1/engine/llm_engine.py``, ``vllm/v1/core/sched/scheduler.py``, ``vllm/v1/worker/gpu_model_runner.py``), so
 the map is also a map of the real thing.
 
-The figure is a :class:`matplotlib.figure.Figure` made without pyplot (as :mod:`minillm.course.widgets.figure_view` does,
-so no other thread draws it), with a ``_repr_png_``: returned as a cell's last expression, Jupyter shows it.
+The figure is a :class:`matplotlib.figure.Figure` made without pyplot (as :mod:`minillm.course.widgets.figure_view`
+does, so no other thread draws it), with a ``_repr_png_``: returned as a cell's last expression, Jupyter shows it.
 """
 from __future__ import annotations
 
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 from matplotlib.figure import Figure
 
@@ -126,7 +127,14 @@ def _chapters(highlight: str | Sequence[str] | None) -> set[str]:
     return set(keys)
 
 
-def box_style(box: _Box, highlighted: set[str]) -> dict[str, object]:
+class BoxStyle(TypedDict):
+    fill: str
+    edge: str
+    text: str
+    linewidth: float
+
+
+def box_style(box: _Box, highlighted: set[str]) -> BoxStyle:
     """Fill, edge and text colours of ``box`` when the chapters in ``highlighted`` are coloured (none: all are)."""
     on = box.chapter in highlighted if highlighted else not box.faint
     if on:
@@ -166,15 +174,16 @@ def draw_engine_map(highlight: str | Sequence[str] | None = None) -> Figure:
 
     for box in BOXES:
         st = box_style(box, highlighted)
-        style = dict(facecolor=st["fill"], edgecolor=st["edge"], linewidth=st["linewidth"],
-                     linestyle="--" if box.faint else "-")
+        style: dict[str, Any] = dict(facecolor=st["fill"], edgecolor=st["edge"], linewidth=st["linewidth"],
+                                     linestyle="--" if box.faint else "-")
+        patch: Polygon | FancyBboxPatch
         if box.outline:  # behind the frames it holds
             patch = Polygon(box.outline, closed=True, joinstyle="round", zorder=0.5, **style)
         else:
             patch = FancyBboxPatch((box.x0, box.y0), box.x1 - box.x0, box.y1 - box.y0,
                                    boxstyle="round,pad=0,rounding_size=0.8", zorder=1 if box.frame else 2, **style)
         patch.set_gid(f"box:{box.name}")
-        patch.chapter = box.chapter
+        patch.chapter = box.chapter  # type: ignore[union-attr]  # our own tag on matplotlib's patch (tests read it)
         ax.add_patch(patch)
         if box.outline:
             x, y = box.label_at
@@ -195,8 +204,8 @@ def draw_engine_map(highlight: str | Sequence[str] | None = None) -> Figure:
 
     for points, label, (lx, ly), va in _ARROWS:
         codes = [Path.MOVETO] + [Path.LINETO] * (len(points) - 1)
-        style = "<|-|>" if label == "blocks" else "-|>"  # the scheduler asks for blocks and frees them
-        ax.add_patch(FancyArrowPatch(path=Path(points, codes), arrowstyle=f"{style},head_length=4,head_width=2.2",
+        arrow = "<|-|>" if label == "blocks" else "-|>"  # the scheduler asks for blocks and frees them
+        ax.add_patch(FancyArrowPatch(path=Path(points, codes), arrowstyle=f"{arrow},head_length=4,head_width=2.2",
                                      color=_ARROW, linewidth=1.1, zorder=4, shrinkA=0, shrinkB=0))
         if label:
             ax.text(lx, ly, label, fontsize=7.5, color=_ARROW, ha="center", va=va, style="italic", zorder=5)

@@ -54,10 +54,9 @@ def overlapping_texts(fig: Figure, tol: float = 1.0) -> list[tuple[str, str]]:
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    if not isinstance(fig.canvas, FigureCanvasAgg):
-        FigureCanvasAgg(fig)
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)  # attaches itself
+    canvas.draw()
+    renderer = canvas.get_renderer()
     texts = _drawn_texts(fig)
     boxes = [t.get_window_extent(renderer) for t in texts]
     pairs = []

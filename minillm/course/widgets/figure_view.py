@@ -13,6 +13,10 @@ import html
 import io
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import matplotlib.figure  # imported where a figure is drawn: importing this module draws nothing
 
 # One colour per request, in order of first appearance, shared by every widget's drawing.
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD"]
@@ -21,7 +25,7 @@ COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA
 _RENDER_LOCK = threading.Lock()
 
 
-def render_png(draw: Callable[["matplotlib.figure.Figure"], None], figsize: tuple[float, float],  # noqa: F821
+def render_png(draw: Callable[[matplotlib.figure.Figure], None], figsize: tuple[float, float],
                dpi: int = 90) -> bytes:
     """Draw a figure with ``draw(fig)`` on a pyplot-free :class:`~matplotlib.figure.Figure` and return it as PNG.
 

@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minillm.config import SchedulerConfig
-from minillm.course.fake_runner import FakeModelRunner, SimulationResult, StepRecord
 from minillm.core.sched.output import SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
+from minillm.course.fake_runner import FakeModelRunner, SimulationResult, StepRecord
+from minillm.course.widgets.figure_view import COLORS as _COLORS
+from minillm.course.widgets.figure_view import FigureView, render_png
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
-from minillm.course.widgets.figure_view import COLORS as _COLORS, FigureView, render_png
 
 _STEPPER_FIGSIZE = (10, 5.2)
 
@@ -234,7 +235,7 @@ class SchedulerStepper:
         self.result.steps.append(record)
         for out in sched.update_from_output(so, self.runner.execute_model(so)):
             self.result.outputs[out.request_id].extend(out.new_token_ids)
-            if out.finished:
+            if out.finish_reason is not None:  # finished
                 self.result.finish_reasons[out.request_id] = out.finish_reason
         head = (f"step {record.step}: {so.total_num_scheduled_tokens}/{sched.max_num_scheduled_tokens} tokens, "
                 f"running {record.num_running}, waiting {record.num_waiting}, KV blocks in use "

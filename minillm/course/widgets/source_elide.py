@@ -1,8 +1,8 @@
 """Show the package's code with some lines left out: the lines an exercise asks the learner to write.
 
-A lesson shows the code it explains with :func:`minillm.course.widgets.source_view.show_source`, so the page never drifts
-from the package. Where that code *is* the answer to an exercise (chapter 3's online-softmax update, the tile loop
-of the attention kernel, the block-table lookup), printing it whole would hand the answer to a learner who has not
+A lesson shows the code it explains with :func:`minillm.course.widgets.source_view.show_source`, so the page never
+drifts from the package. Where that code *is* the answer to an exercise (chapter 3's online-softmax update, the tile
+loop of the attention kernel, the block-table lookup), printing it whole would hand the answer to a learner who has not
 done the exercise yet. :func:`elide_source` shows the same listing with those lines replaced by one comment::
 
     elide_source(kv_row_offsets, ("blk = tl.load", "return blk", "exercise 3.3: the block-table lookup"))

@@ -12,8 +12,12 @@ vLLM counterpart: ``vllm/distributed/kv_transfer/``.
 """
 from minillm.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from minillm.distributed.kv_transfer.factory import KVConnectorFactory
-from minillm.distributed.kv_transfer.prompt_connector import (KVLoadError, PromptKVConnector,
-                                                              PromptKVConnectorMetadata, ReqMeta)
+from minillm.distributed.kv_transfer.prompt_connector import (
+                                                              KVLoadError,
+                                                              PromptKVConnector,
+                                                              PromptKVConnectorMetadata,
+                                                              ReqMeta,
+)
 from minillm.distributed.kv_transfer.shared_storage_connector import SharedStorageConnector, prompt_key
 from minillm.distributed.kv_transfer.torch_distributed_connector import TorchDistributedConnector
 

@@ -1,27 +1,14 @@
 """The KV connector interface: how an engine hands a request's KV cache to another engine, or takes one in.
 
-A connector has two halves, as in vLLM, because the two sides of an engine see different things:
-
-- the **scheduler side** decides, per request, how many tokens' K/V it can get from outside
-  (:meth:`KVConnectorBase_V1.get_num_new_matched_tokens`) -- the scheduler then counts them as computed, exactly as it
-  counts prefix-cache hits -- learns which blocks were allocated for them (:meth:`~KVConnectorBase_V1.
-  update_state_after_alloc`), writes each step's plan for the worker (:meth:`~KVConnectorBase_V1.
-  build_connector_meta`), and is told when a request finishes (:meth:`~KVConnectorBase_V1.request_finished`: may
-  the blocks be freed now, or only when a transfer still reading them is done?);
-- the **worker side** does the copying, around the forward pass: :meth:`~KVConnectorBase_V1.start_load_kv` before
-  it, :meth:`~KVConnectorBase_V1.wait_for_layer_load` and :meth:`~KVConnectorBase_V1.save_kv_layer` in every
-  attention layer, :meth:`~KVConnectorBase_V1.wait_for_save` after it, and :meth:`~KVConnectorBase_V1.get_finished`
-  to report finished transfers back to the scheduler.
-
-The scheduler side talks to the worker side only through :class:`KVConnectorMetadata` (in the
-:class:`~minillm.core.sched.output.SchedulerOutput`), and the worker side answers only through a
-:class:`~minillm.core.sched.output.KVConnectorOutput` (in the ``ModelRunnerOutput``): in vLLM they live in different
-processes. Here both halves live in one engine process, but keep to the same two channels.
+Two halves, as in vLLM. The **scheduler side** says how many tokens' K/V it can get from outside
+(:meth:`KVConnectorBase_V1.get_num_new_matched_tokens`; the scheduler counts them as computed, like prefix-cache
+hits), learns the blocks allocated for them, writes each step's plan (:class:`KVConnectorMetadata`, in the
+``SchedulerOutput``) and says when a finished request's blocks may be freed. The **worker side** copies around the
+forward pass (``start_load_kv``, per-layer ``wait_for_layer_load`` / ``save_kv_layer``, ``wait_for_save``) and
+reports back through a ``KVConnectorOutput`` (in the ``ModelRunnerOutput``).
 
 vLLM counterpart: ``vllm/distributed/kv_transfer/kv_connector/v1/base.py`` (``KVConnectorBase_V1``,
-``KVConnectorRole``, ``KVConnectorMetadata``). Differences: vLLM names layers by string (``layer_name``), here by
-index; vLLM's ``start_load_kv`` takes a ``ForwardContext``, here the caches are registered once
-(``register_kv_caches``) and the metadata carries the rest.
+``KVConnectorRole``, ``KVConnectorMetadata``); vLLM names layers by string (``layer_name``), here by index.
 """
 from __future__ import annotations
 
@@ -161,7 +148,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         """After the step: blocks that a load of this step failed to fill (their requests recompute from there)."""
         return set()
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Release what the connector holds (files, receive buffers, pending sends)."""
 
     # -- scheduler side ------------------------------------------------------------------------------------------
@@ -169,7 +156,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         """The scheduler's :class:`~minillm.core.kv_cache_manager.KVCacheManager` (for the requests' block ids)."""
         self._kv_cache_manager = kv_cache_manager
 
-    def on_new_request(self, request: Request) -> None:
+    def on_new_request(self, request: Request) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """A request was added to the scheduler."""
 
     @abstractmethod
@@ -195,7 +182,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         """This step's plan for the worker side (what to load and save where). Must not change
         ``scheduler_output``; resets the per-step state."""
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """What the worker side reported after the step (arrivals, failures)."""
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

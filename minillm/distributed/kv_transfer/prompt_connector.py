@@ -1,31 +1,15 @@
-"""What both of the course's connectors share: they move the K/V of a request's *whole prompt*, once.
+"""What both connectors share: they move the K/V of a request's *whole prompt*, once.
 
-A prefill engine (``kv_role="kv_producer"``) saves a request's K/V when the step that computes the last prompt
-token runs -- whether the prompt came in one chunk or many, and whatever part of it was a prefix-cache hit: by then
-every prompt position of every layer is in the paged cache. A decode engine (``"kv_consumer"``) asks the connector,
-when it admits a request, how many prompt tokens are available outside; it loads all but the last (whose forward
-pass gives the logits of the first output token, exactly as a full prefix-cache hit is capped at ``num_tokens -
-1``), counts them as computed, and its first step computes one token: it goes straight to decoding.
-
-Subclasses say where the K/V lives: :class:`~minillm.distributed.kv_transfer.shared_storage_connector.
-SharedStorageConnector` (files) and :class:`~minillm.distributed.kv_transfer.torch_distributed_connector.
-TorchDistributedConnector` (``torch.distributed`` send/recv to another process).
-
-A load that fails (a missing or corrupt file, a payload of the wrong shape) writes nothing and reports the blocks it
-should have filled (:meth:`get_block_ids_with_load_errors`); the scheduler then rolls the request back to the first
-of them and recomputes from there (vLLM's ``kv_load_failure_policy="recompute"``).
-
-Under tensor parallelism (a connector with ``supports_tensor_parallel``) each rank's worker side moves the K/V of
-*every* KV head, so what is stored does not depend on the tensor-parallel size, and a prefill engine on 3 ranks can
-hand over to a decode engine on 1, or the other way round. A save all-gathers the ranks' KV heads and rank 0 stores
-the whole; a load fetches the whole and each rank keeps its own heads. The ranks all-reduce which loads failed, so
-that all of them report the same blocks: only rank 0's report reaches the scheduler. (vLLM's NIXL connector instead
-moves each rank's heads rank to rank, mapping between different tensor-parallel sizes in ``tp_mapping.py``.)
+A producer saves a request's K/V in the step that computes its last prompt token (however it was chunked or
+prefix-cached). A consumer, admitting a request, loads all prompt tokens but the last (whose forward pass gives the
+first output token), counts them as computed and goes straight to decoding. A failed load writes nothing and
+reports its blocks (:meth:`get_block_ids_with_load_errors`); the request recomputes from there. Under tensor
+parallelism a save all-gathers every KV head and rank 0 stores the whole, so any tensor-parallel size can load it.
+Subclasses say where the K/V lives: files or ``torch.distributed`` sends.
 
 vLLM counterpart: ``vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py`` (``ExampleConnector``,
-``ReqMeta``, ``ExampleConnectorMetadata``) has the same shape of metadata (per request: tokens, slots, load or
-store). It saves in the step a request is *new*, which misses the later chunks of a chunked prompt; this one saves
-when the prompt is complete.
+``ReqMeta``, ``ExampleConnectorMetadata``), which saves in the step a request is *new* (missing a chunked prompt's
+later chunks); this one saves when the prompt is complete.
 """
 from __future__ import annotations
 
@@ -181,7 +165,8 @@ class PromptKVConnector(KVConnectorBase_V1):
         if self._config.is_kv_producer:
             so = scheduler_output
             starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-            starts.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+            cached = so.scheduled_cached_reqs
+            starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
             for rid, start in starts.items():
                 request = self._requests[rid]
                 num_prompt = request.num_prompt_tokens
@@ -212,7 +197,7 @@ class PromptKVConnector(KVConnectorBase_V1):
             failed = torch.tensor([float(kv is None) for kv in fetched])
             self._tp_group.all_reduce(failed, what="KV load failures")
             fetched = [kv if not failed[i] else None for i, kv in enumerate(fetched)]
-        for load, kv in zip(meta.loads, fetched):
+        for load, kv in zip(meta.loads, fetched, strict=True):
             if kv is None:
                 # Nothing was written: the scheduler recomputes from the first of these blocks.
                 self._invalid_block_ids.update(load.block_ids_of_range(self._block_size))

@@ -1,20 +1,13 @@
 """A KV connector through a shared directory: the prefill engine writes each prompt's K/V to files, the decode
 engine reads them.
 
-Layout: ``<shared_storage_path>/<key>/layer_<i>.safetensors`` (one ``{"kv": [2, num_tokens, num_kv_heads,
-head_dim]}`` per layer) and ``meta.json`` (the shape), where ``<key>`` is a SHA-256 of the prompt's token ids, so any
-engine that sees the same prompt finds it. A request's files are written into a temporary directory that is renamed
-into place at the end: a reader sees a request's K/V whole or not at all, and a writer that dies half-way leaves
-nothing that looks complete. A file that is damaged *after* that (or vanishes between lookup and load) is caught at
-load time, and the request recomputes.
+Layout: ``<shared_storage_path>/<key>/layer_<i>.safetensors`` (``{"kv": [2, num_tokens, num_kv_heads, head_dim]}``)
+and ``meta.json``, ``<key>`` a SHA-256 of the prompt's token ids. A request's files are written to a temporary
+directory renamed into place, so a reader sees them whole or not at all; a file damaged later fails its load and the
+request recomputes. Saving is synchronous (in ``wait_for_save``), so a finished request's blocks are freed at once.
 
-Saving is synchronous (the files are written in ``wait_for_save``, in the same step), so a finished request's
-blocks can be freed at once. On one machine this is the simplest hand-off there is; on several it needs a shared
-file system, and it pays disk bandwidth twice.
-
-vLLM counterpart: ``vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py`` (``ExampleConnector``;
-releases before it were named ``SharedStorageConnector``), with the same ``shared_storage_path`` setting in
-``kv_connector_extra_config`` and the same one-file-per-layer safetensors layout.
+vLLM counterpart: ``vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py`` (``ExampleConnector``,
+formerly ``SharedStorageConnector``), with the same ``shared_storage_path`` setting and one file per layer.
 """
 from __future__ import annotations
 
@@ -93,7 +86,8 @@ class SharedStorageConnector(PromptKVConnector):
         tmp = Path(tempfile.mkdtemp(prefix=f".{save.key[:16]}-", dir=self.storage_path))
         try:
             for layer_idx in range(kv.shape[0]):
-                safetensors.torch.save_file({"kv": kv[layer_idx].contiguous()}, str(tmp / f"layer_{layer_idx}.safetensors"))
+                path = tmp / f"layer_{layer_idx}.safetensors"
+                safetensors.torch.save_file({"kv": kv[layer_idx].contiguous()}, str(path))
             meta = {"num_tokens": int(kv.shape[2]), "num_layers": int(kv.shape[0]), "num_kv_heads": int(kv.shape[3]),
                     "head_dim": int(kv.shape[4]), "dtype": str(kv.dtype)}
             (tmp / "meta.json").write_text(json.dumps(meta))
@@ -111,7 +105,8 @@ class SharedStorageConnector(PromptKVConnector):
             raise KVLoadError(f"no complete K/V under {self._dir(load.key)}")
         layers = []
         for layer_idx in range(meta["num_layers"]):
-            layers.append(safetensors.torch.load_file(str(self._dir(load.key) / f"layer_{layer_idx}.safetensors"))["kv"])
+            path = self._dir(load.key) / f"layer_{layer_idx}.safetensors"
+            layers.append(safetensors.torch.load_file(str(path))["kv"])
         shapes = {tuple(t.shape) for t in layers}
         if len(shapes) != 1:
             raise KVLoadError(f"the layers' files disagree on their shape: {sorted(shapes)}")

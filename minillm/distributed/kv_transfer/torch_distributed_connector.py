@@ -1,25 +1,14 @@
 """A KV connector between two processes over ``torch.distributed`` point-to-point (gloo on a CPU, NCCL on GPUs).
 
-The prefill engine (``kv_producer``) *pushes*: when a request's prompt is complete it posts two non-blocking sends to
-the decode process, a header (``[magic, num_tokens, crc32 of the payload, length of the request id, the id's
-bytes...]``, int64) and the payload ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]``. The request finishes in
-that step, but its blocks are freed only when both sends have completed (:meth:`request_finished` says "delay",
-:meth:`get_finished` later reports it).
+The producer *pushes*: once a prompt is complete it posts a header (magic, token count, crc32, request id) and the
+payload ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]``; the request's blocks are freed when both sends
+complete. The consumer's receiver thread takes transfers as they come; until a request's K/V has arrived the
+scheduler side answers ``None`` (ask again next step), and after ``timeout_s`` or a failed transfer 0 (prefill
+locally). Both engines must give a request the same id. Settings (``kv_connector_extra_config``): ``peer_rank``,
+``group``, ``timeout_s``.
 
-The decode engine (``kv_consumer``) runs a receiver thread that takes transfers as they come (a checksum mismatch is a
-failed transfer). Each step its worker side collects what arrived and reports it to the scheduler side through the
-step's ``KVConnectorOutput`` (``finished_recving`` / ``failed_recving``). Until a request's K/V has arrived, the
-scheduler side answers ``None`` ("ask again next step") and the request stays waiting; after ``timeout_s`` without it,
-or after a failed transfer, it answers 0 and the request is prefilled locally. Requests are matched by request id:
-both engines must give a request the same id (the router that sends it to both does).
-
-Settings (``kv_connector_extra_config``): ``peer_rank`` (the other engine's global rank, required), ``group`` (the
-process group, default the whole world), ``timeout_s`` (default 60).
-
-vLLM counterpart: none by this name in v0.33.0. Its ``NixlConnector`` (``vllm/distributed/kv_transfer/kv_connector/
-v1/nixl/``) moves the same blocks with RDMA, *pulled* by the decode side after a handshake, asynchronously
-(``load_kv_async=True``: the request waits in ``WAITING_FOR_REMOTE_KVS`` while its blocks fill) and layer by layer;
-``NixlPushConnector`` pushes, as here. ``MooncakeConnector`` does the same over Mooncake's transfer engine.
+vLLM counterpart: none by this name; ``NixlConnector`` (``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``)
+moves the same blocks with RDMA, pulled by the decode side; ``NixlPushConnector`` pushes, as here.
 """
 from __future__ import annotations
 
@@ -203,7 +192,7 @@ class TorchDistributedConnector(PromptKVConnector):
         if self._receiver is None:
             self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="kv-receiver")
             self._receiver.start()
-        arrived = set()
+        arrived: set[str] = set()
         while True:
             try:
                 rid, payload = self._inbox.get_nowait()
@@ -245,8 +234,9 @@ class TorchDistributedConnector(PromptKVConnector):
             for _, thread in list(self._sending.values()):
                 thread.join(timeout=max(0.0, end - time.monotonic()))
             self._sending.clear()
-            dist.isend(make_header("", CLOSE, 0), self.peer_rank, group=self.group,
-                       tag=HEADER_TAG).wait(timeout=timedelta(seconds=max(0.001, end - time.monotonic())))
+            goodbye = dist.isend(make_header("", CLOSE, 0), self.peer_rank, group=self.group, tag=HEADER_TAG)
+            assert goodbye is not None  # None only on a rank outside the group
+            goodbye.wait(timeout=timedelta(seconds=max(0.001, end - time.monotonic())))
         if self._config.is_kv_consumer and self._receiver is not None:
             self._receiver.join(timeout=max(0.0, end - time.monotonic()))
             self._received.clear()

@@ -1,8 +1,5 @@
 """``minillm serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn, the stack vLLM uses).
 
-Routes:
-
-==========================  ==========================================================================================
 ``GET  /v1/models``          the one served model (``id`` = ``--served-model-name``, default the model file's name)
 ``POST /v1/completions``     Completions API (``prompt``, ``max_tokens`` default 16, ``stream``, ...)
 ``POST /v1/chat/completions`` Chat Completions API (``messages``, ``max_completion_tokens`` > ``max_tokens`` > room)
@@ -46,15 +43,19 @@ Then::
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", max_completion_tokens=16,
                                    messages=[{"role": "user", "content": "What is the capital of France?"}])
+=======
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health`` (503 once
+the engine has stopped) and, a minillm extra, ``GET /debug/kv_cache`` (the KV cache's and requests' counters).
+One :class:`~minillm.engine.async_llm.AsyncLLM` owns the engine; every connection is an asyncio task, and a client
+that disconnects has its request aborted, which frees its blocks at once. Errors are OpenAI's error body
+(:mod:`~minillm.entrypoints.openai.serving_engine`); the Host, API-key, content-type and size checks are in
+:mod:`~minillm.entrypoints.openai.middleware`; SIGTERM or Ctrl-C aborts the requests in flight and exits 0
+(:class:`GracefulServer`). Safety and usage: docs/serving.md.
 
 vLLM counterpart: ``build_app`` in ``vllm/entrypoints/launchers/app.py``, ``run_server`` in
-``vllm/entrypoints/launchers/api_server/entry.py``, the route functions of the same names in
-``vllm/entrypoints/openai/chat_completion/api_router.py`` (``create_chat_completion``),
-``vllm/entrypoints/openai/completion/api_router.py`` (``create_completion``) and
-``vllm/entrypoints/openai/models/api_router.py`` (``show_available_models``), and ``vllm/entrypoints/cli/serve.py``
-(older releases defined the app and its routes in ``vllm/entrypoints/openai/api_server.py``, which v0.33.0
-keeps only as a deprecated re-export of the launchers); vLLM adds CORS, tool calling, logprobs, ``n > 1``,
-embeddings and many more routes, and ``/metrics`` for Prometheus.
+``vllm/entrypoints/launchers/api_server/entry.py``, the route functions in
+``vllm/entrypoints/openai/chat_completion/api_router.py`` (``create_chat_completion``) and
+``vllm/entrypoints/openai/completion/api_router.py`` (``create_completion``), and ``vllm/entrypoints/cli/serve.py``.
 """
 from __future__ import annotations
 
@@ -69,26 +70,27 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Awaitable
+from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-try:
-    import uvicorn
-except ImportError:  # pragma: no cover - the server's extra is not installed; build_app still works
-    uvicorn = None
-
 from minillm.engine.async_llm import AsyncLLM, EngineDeadError
-from minillm.entrypoints.openai.middleware import (DEFAULT_MAX_REQUEST_BODY_BYTES, AuthenticationMiddleware,
-                                                   HostCheckMiddleware, RequestBodyMiddleware, is_loopback_host)
+from minillm.entrypoints.openai.middleware import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    AuthenticationMiddleware,
+    HostCheckMiddleware,
+    RequestBodyMiddleware,
+    is_loopback_host,
+)
 from minillm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from minillm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minillm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -260,7 +262,7 @@ def build_app(engine: Any, served_model_name: str | None = None, *, api_key: str
     return app
 
 
-class GracefulServer(uvicorn.Server if uvicorn is not None else object):  # type: ignore[misc]
+class GracefulServer(uvicorn.Server):
     """uvicorn's server, with a shutdown that does not wait for requests in flight, and an exit without re-raising.
 
     uvicorn's own graceful shutdown waits for every open request to finish: with a long stream in flight,
@@ -339,7 +341,7 @@ class BackgroundServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+    def start(self, timeout: float = 60.0) -> BackgroundServer:
         """Start serving and return once the socket listens."""
         self._thread = threading.Thread(target=self._server.run, name="minillm-server", daemon=True)
         self._thread.start()
@@ -358,7 +360,7 @@ class BackgroundServer:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

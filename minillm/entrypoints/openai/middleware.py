@@ -1,25 +1,14 @@
 """What every request passes before it reaches a route: the Host check, the API key, the body's type and size.
 
-Three pure ASGI middlewares (no ``BaseHTTPMiddleware``, which would buffer streamed responses), outermost first:
+Three pure ASGI middlewares (``BaseHTTPMiddleware`` would buffer streamed responses), outermost first:
+:class:`HostCheckMiddleware` (on loopback, a ``Host`` that is not loopback gets a 400: DNS rebinding),
+:class:`AuthenticationMiddleware` (with an API key, ``/v1`` needs ``Authorization: Bearer <key>``, else 401) and
+:class:`RequestBodyMiddleware` (a POST body must be ``application/json``, else 415, so no cross-origin "simple"
+request; and at most ``max_body_bytes``, else 413, decided before the body is read). Each refusal is OpenAI's
+error body, decided before any JSON is parsed or any token made.
 
-1. :class:`HostCheckMiddleware`: a server on loopback answers only requests whose ``Host`` names loopback
-   (``localhost``, ``127.0.0.1``, ``[::1]``). A web page that rebinds its own domain to 127.0.0.1 (DNS rebinding)
-   sends ``Host: evil.example``, so it gets a 400 and never reaches the model.
-2. :class:`AuthenticationMiddleware`: with an API key set (``--api-key`` or ``MINILLM_API_KEY``), every ``/v1``
-   route needs ``Authorization: Bearer <key>``, else a 401. ``/health`` and ``/debug/kv_cache`` stay open (they
-   show counters, run no model), as vLLM leaves its non-``/v1`` routes open.
-3. :class:`RequestBodyMiddleware`: a POST body must say ``Content-Type: application/json`` (415 otherwise), so a
-   browser cannot send one cross-origin as a CORS "simple request" (``text/plain`` forms need no preflight; JSON
-   does, and this server grants none); and it must not be larger than ``max_body_bytes`` (413, decided from
-   ``Content-Length`` before any of it is read, or as soon as a chunked body passes the limit). A body is read
-   whole here, so a route never tokenizes more than the limit.
-
-Each refusal is OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``) and is decided before any
-JSON is parsed or any token is made.
-
-vLLM counterpart: ``vllm/entrypoints/serve/middleware/authenticate.py`` (``AuthenticationMiddleware``, same
-hashed comparison; vLLM answers ``{"error": "Unauthorized"}``). vLLM has no Host or Content-Type check and no body
-limit (uvicorn's ``h11_max_incomplete_event_size`` caps headers only).
+vLLM counterpart: ``vllm/entrypoints/serve/middleware/authenticate.py`` (``AuthenticationMiddleware``, the same
+hashed comparison); vLLM has no Host or content-type check and no body limit.
 """
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
 """The JSON bodies of the OpenAI API, as pydantic models: what a client may send and what the server answers.
 
-Requests are validated in pydantic's *strict* mode: ``"temperature": "hot"``, ``"max_tokens": 1.5`` or
-``"stream": "yes"`` are refused instead of being coerced, and the error names the field (its ``param``). An int is
-still accepted where a float is expected (``"temperature": 1``), as JSON does not tell them apart. Fields this
-server does not know are ignored (with a warning in the log), as the OpenAI API and vLLM do. Ranges
-(``temperature >= 0``, ``top_p`` in ``(0, 1]``, ...) are checked afterwards by
-:class:`~minillm.sampling_params.SamplingParams`, the single place that knows them.
-
-Every error goes back as OpenAI's error body::
-
-    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": "invalid_value"}}
+Requests are validated in pydantic's *strict* mode (``"temperature": "hot"`` or ``"max_tokens": 1.5`` are refused,
+naming the field; an int is still a float); unknown fields are ignored with a warning, as OpenAI and vLLM do. Ranges
+are checked afterwards by :class:`~minillm.sampling_params.SamplingParams`. Errors are OpenAI's error body, whose
+``type`` and ``code`` follow OpenAI's API (vLLM answers ``type="BadRequestError"``, ``code=400``).
 
 vLLM counterpart (same class names): ``vllm/entrypoints/openai/chat_completion/protocol.py``
-(``ChatCompletionRequest``, ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``),
-``vllm/entrypoints/openai/completion/protocol.py`` (``CompletionRequest``, ``CompletionResponse``,
-``CompletionStreamResponse``) and ``vllm/entrypoints/serve/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``,
-``ModelCard``, ``ModelList``, ``UsageInfo``). vLLM answers errors with
-``type="BadRequestError"`` and ``code=400``; here ``type`` and ``code`` follow OpenAI's own API, so code written
-against OpenAI's error handling (``openai.BadRequestError``, ``err.code == "context_length_exceeded"``) works.
+(``ChatCompletionRequest``, ``ChatCompletionResponse``), ``vllm/entrypoints/openai/completion/protocol.py``
+(``CompletionRequest``, ``CompletionResponse``) and ``vllm/entrypoints/serve/engine/protocol.py``
+(``ErrorResponse``, ``ModelCard``, ``UsageInfo``).
 """
 from __future__ import annotations
 

@@ -1,37 +1,19 @@
 """An OpenAI-style request body -> :class:`SamplingParams`, including the ``max_completion_tokens`` rule.
 
-``max_completion_tokens`` is the newer OpenAI name for "the most tokens the model may generate for this answer"
-in the Chat Completions API; ``max_tokens`` is its deprecated alias there (still the only name in the legacy
-Completions API, where it defaults to 16). Only generated tokens count toward it, never the prompt (for reasoning
-models, reasoning tokens count too). The rule, as vLLM v0.33.0's server applies it:
+``max_completion_tokens`` (chat; ``max_tokens`` its deprecated alias, and the Completions API's only name, default 16)
+counts generated tokens only. As vLLM v0.33.0's server applies it: a limit above ``max_model_len`` is **refused**
+(400); one that fits ``max_model_len`` but not the room the prompt leaves is **lowered** to that room (the answer
+ends with ``finish_reason="length"``); no limit means the room; a prompt that leaves no room is refused. Chat's
+``top_logprobs`` must be in ``[0, 20]``. (Older vLLM refused the lowered case too.)
 
-* a limit larger than ``max_model_len`` itself can never be served: **refused** (HTTP 400,
-  ``"max_tokens=5000 cannot be greater than max_model_len=2048. Please request fewer output tokens."``);
-* a limit that fits ``max_model_len`` but not the room the prompt leaves (``max_model_len - prompt_len``) is
-  **silently lowered** to that room: the answer then ends with ``finish_reason="length"`` after exactly the room's
-  tokens;
-* no limit at all (chat without either field, or an explicit ``"max_tokens": null``): the room;
-* a prompt longer than ``max_model_len`` is refused, and so is one that fills it exactly (no room for even one
-  output token; vLLM refuses that one as a ``max_tokens`` of 0).
-
-The Completions API's default of 16 counts as if the client had sent it (vLLM's ``CompletionRequest.max_tokens``
-field default): lowered to the room like any other value (and refused only if ``max_model_len`` itself is below 16).
-Older releases of vLLM refused the second case too (a 400 saying "'max_tokens' or 'max_completion_tokens' is too
-large"); v0.33.0 lowers it, and so does minillm.
-
-Chat's ``top_logprobs`` must be in ``[0, 20]`` (OpenAI's range; vLLM's default ``max_logprobs`` is 20 as well).
-
-vLLM counterpart (v0.33.0): ``ChatCompletionRequest.to_sampling_params`` and ``build_tok_params`` in
-``vllm/entrypoints/openai/chat_completion/protocol.py`` (``CompletionRequest`` in
-``vllm/entrypoints/openai/completion/protocol.py`` likewise); the too-large 400 is ``TokenizeParams.__post_init__``
-and the too-long prompt ``TokenizeParams._token_len_check`` in ``vllm/renderers/params.py``; the lowering is
-``get_max_tokens`` in ``vllm/entrypoints/serve/utils/api_utils.py``, which also takes the model's
-generation-config default (its ``max_new_tokens``, when the client sent no limit) and a platform cap
-(``Platform.get_max_output_tokens`` in ``vllm/platforms/interface.py``, unlimited by default): minillm has neither.
+vLLM counterpart: ``ChatCompletionRequest.to_sampling_params`` in
+``vllm/entrypoints/openai/chat_completion/protocol.py``; the 400s are ``TokenizeParams`` in
+``vllm/renderers/params.py``; the lowering is ``get_max_tokens`` in ``vllm/entrypoints/serve/utils/api_utils.py``.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from minillm.sampling_params import MAX_LOGPROBS, SamplingParams
 

@@ -1,35 +1,41 @@
 """``POST /v1/chat/completions``: answer a conversation, all at once or streamed as server-sent events.
 
-The messages are rendered with the model's own chat template (read from the GGUF file), ending with the
-assistant's header, and the token ids go to the engine. The output limit is ``max_completion_tokens`` if given,
-else the deprecated ``max_tokens``, else whatever room the context has left (``max_model_len - prompt_len``):
-only generated tokens count, never the prompt (learner question Q5). A limit larger than ``max_model_len`` is
-refused with a 400 (``context_length_exceeded``); one that fits ``max_model_len`` but not the room the prompt leaves
-is lowered to that room, and the answer ends with ``finish_reason="length"``, as in vLLM v0.33.0 (older releases
-refused it).
-
-A streamed answer is: a first chunk with ``delta = {"role": "assistant", "content": ""}``, one chunk per step that
-produced text (``delta = {"content": "..."}``), a last chunk with ``finish_reason``, optionally a usage chunk
-(``stream_options = {"include_usage": true}``), then ``data: [DONE]``.
+The messages are rendered with the model's chat template (ending with the assistant's header) and the token ids go
+to the engine, with the output limit of :mod:`minillm.entrypoints.openai.sampling`. A stream is a first chunk with
+``delta = {"role": "assistant", "content": ""}``, one chunk per step that produced text, a last chunk with
+``finish_reason``, optionally a usage chunk (``stream_options.include_usage``), then ``data: [DONE]``.
 
 vLLM counterpart: ``vllm/entrypoints/openai/chat_completion/serving.py`` (``OpenAIServingChat.create_chat_completion``,
-``chat_completion_stream_generator``, ``chat_completion_full_generator``); the request and response bodies are in
-``vllm/entrypoints/openai/chat_completion/protocol.py``.
+``chat_completion_stream_generator``, ``chat_completion_full_generator``).
 """
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
-from minillm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                                  ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-                                                  ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
-                                                  random_uuid)
+from minillm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    random_uuid,
+)
 from minillm.entrypoints.openai.sampling import check_top_logprobs
-from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
-                                                        reject_unsupported, sse, stream_aborted, stream_error,
-                                                        usage_of)
+from minillm.entrypoints.openai.serving_engine import (
+    OpenAIRequestError,
+    OpenAIServing,
+    abort_when_dropped,
+    reject_unsupported,
+    sse,
+    stream_aborted,
+    stream_error,
+    usage_of,
+)
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -13,14 +13,27 @@ vLLM counterpart: ``vllm/entrypoints/openai/completion/serving.py`` (``OpenAISer
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any, cast
 
-from minillm.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
-                                                  CompletionResponseStreamChoice, CompletionStreamResponse,
-                                                  random_uuid)
-from minillm.entrypoints.openai.serving_engine import (OpenAIRequestError, OpenAIServing, abort_when_dropped,
-                                                        reject_unsupported, sse, stream_aborted, stream_error,
-                                                        usage_of)
+from minillm.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    random_uuid,
+)
+from minillm.entrypoints.openai.serving_engine import (
+    OpenAIRequestError,
+    OpenAIServing,
+    abort_when_dropped,
+    reject_unsupported,
+    sse,
+    stream_aborted,
+    stream_error,
+    usage_of,
+)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -28,12 +41,15 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def prompt_token_ids(self, request: CompletionRequest) -> list[int]:
         """The prompt as token ids. One prompt per request: a list of one string or one id list is unwrapped."""
-        prompt = request.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise OpenAIRequestError(f"minillm's server takes one prompt per request, got {len(prompt)}",
+        given = request.prompt
+        prompt: str | list[int]
+        if isinstance(given, list) and given and not isinstance(given[0], int):
+            if len(given) != 1:
+                raise OpenAIRequestError(f"minillm's server takes one prompt per request, got {len(given)}",
                                          param="prompt")
-            prompt = prompt[0]
+            prompt = given[0]
+        else:
+            prompt = cast("str | list[int]", given)  # a list here is empty or of ints
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise OpenAIRequestError("This server's model has no tokenizer: send the prompt as token ids",

@@ -1,27 +1,15 @@
 """What the chat and completions endpoints share: parsing and checking a body, error answers, the length rule.
 
-Every refusal is an :class:`OpenAIRequestError` raised anywhere below the endpoint and turned into OpenAI's error
-body by :meth:`OpenAIServing.create_error_response` (HTTP 400 unless said otherwise):
-
-* a body that is not JSON, or not an object -> ``code="invalid_json"`` / ``"invalid_type"``;
-* a field of the wrong type (``"temperature": "hot"``) -> ``code="invalid_type"``, ``param`` = the field;
-* a value out of range (``temperature=-1``, ``top_p=1.5``, ``n=2``) -> ``code="invalid_value"``, the message is
-  :class:`~minillm.sampling_params.SamplingParams`' own;
-* a ``max_tokens`` / ``max_completion_tokens`` larger than ``max_model_len`` itself (checked before the prompt is
-  tokenized, as vLLM does), or a prompt that leaves no room for one output token -> ``code="context_length_exceeded"``
-  (OpenAI's code for it), ``param`` = the limit's field or the prompt's. A limit that fits ``max_model_len`` but not
-  the room the prompt leaves is *not* refused: it is lowered to that room (vLLM v0.33.0 does the same; older releases
-  refused it);
-* ``top_logprobs`` outside ``[0, 20]``, ``seed`` outside what a ``torch.Generator`` takes, ``logprobs`` above
-  ``max_logprobs`` -> ``code="invalid_value"``, refused here so that no bad value reaches the shared engine loop;
-* a ``model`` other than the one served -> 404, ``code="model_not_found"``.
+Every refusal is an :class:`OpenAIRequestError`, turned into OpenAI's error body by
+:meth:`OpenAIServing.create_error_response` (400 unless said otherwise): not JSON (``invalid_json``), a wrong type
+(``invalid_type``, ``param`` the field), a value out of range (``invalid_value``, the message
+:class:`~minillm.sampling_params.SamplingParams`' own), a limit above ``max_model_len`` or a prompt that leaves no
+room (``context_length_exceeded``), an unknown ``model`` (404, ``model_not_found``). All are checked here, so no
+bad value reaches the shared engine loop.
 
 vLLM counterpart: ``vllm/entrypoints/serve/engine/serving.py`` (``BaseServing``: ``_check_model``,
-``create_error_response``), which turns an exception into the error body with ``create_error_response`` in
-``vllm/entrypoints/serve/exception_handling/error_response.py``; ``ErrorResponse`` is in
-``vllm/entrypoints/serve/engine/protocol.py``. The length checks are in ``vllm/renderers/params.py``
-(``TokenizeParams``) and ``get_max_tokens`` in ``vllm/entrypoints/serve/utils/api_utils.py``; older releases had
-them in one ``OpenAIServing._validate_input``.
+``create_error_response``) and ``vllm/entrypoints/serve/exception_handling/error_response.py``
+(``create_error_response``); the length checks are ``TokenizeParams`` in ``vllm/renderers/params.py``.
 """
 from __future__ import annotations
 
@@ -38,8 +26,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from minillm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel, UsageInfo
-from minillm.entrypoints.openai.sampling import (ContextLengthExceededError, check_prompt_fits,
-                                                 requested_max_tokens, to_sampling_params)
+from minillm.entrypoints.openai.sampling import (
+    ContextLengthExceededError,
+    check_prompt_fits,
+    requested_max_tokens,
+    to_sampling_params,
+)
 from minillm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -80,9 +72,10 @@ def parse_request(model_cls: type[T], raw: bytes) -> T:
     except ValidationError as e:
         errors = e.errors(include_url=False)
         if errors[0]["type"] == "json_invalid":
-            raise OpenAIRequestError(f"The request body is not valid JSON: {errors[0]['msg']}", code="invalid_json")
+            raise OpenAIRequestError(f"The request body is not valid JSON: {errors[0]['msg']}",
+                                     code="invalid_json") from e
         if not errors[0]["loc"]:
-            raise OpenAIRequestError("The request body must be a JSON object", code="invalid_type")
+            raise OpenAIRequestError("The request body must be a JSON object", code="invalid_type") from e
         # A union field (``stop: str | list[str]``) fails once per branch; the deepest failure says the most
         # ("stop.0 should be a string" rather than "stop should be a string").
         err = max(errors, key=lambda x: len(x["loc"]))
@@ -92,12 +85,13 @@ def parse_request(model_cls: type[T], raw: bytes) -> T:
         param = str(err["loc"][0])
         if err["type"] == "missing":
             raise OpenAIRequestError(f"Missing required parameter: '{path}'", param=param,
-                                     code="missing_required_parameter")
+                                     code="missing_required_parameter") from e
         given = err.get("input")
         shown = type(given).__name__ if isinstance(given, (dict, list)) else json.dumps(given)[:80]
         is_type = err["type"].endswith("_type") or err["type"] in ("union_tag_invalid", "literal_error")
         raise OpenAIRequestError(f"Invalid {'type' if is_type else 'value'} for '{path}': {err['msg'].lower()}, "
-                                 f"got {shown}", param=param, code="invalid_type" if is_type else "invalid_value")
+                                 f"got {shown}", param=param,
+                                 code="invalid_type" if is_type else "invalid_value") from e
     if request.model_extra:
         logger.warning("ignoring unknown request fields: %s", summarize_names(request.model_extra))
     return request

@@ -1,1 +1,4 @@
-"""Batched logits transformations used by the sampler, one job per module."""
+"""Batched logits transformations used by the sampler, one job per module.
+
+vLLM counterpart: ``vllm/v1/sample/ops/``.
+"""

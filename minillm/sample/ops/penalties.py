@@ -5,7 +5,7 @@ vLLM counterpart: ``vllm/v1/sample/ops/penalties.py`` (``apply_all_penalties``) 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

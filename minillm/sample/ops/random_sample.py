@@ -32,5 +32,6 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     Returns:
         int64 ``[num_rows]``. Tokens with probability 0 are never chosen.
     """
-    q = exponential_noise(tuple(probs.shape), generators, probs.device)
+    num_rows, vocab_size = probs.shape
+    q = exponential_noise((num_rows, vocab_size), generators, probs.device)
     return (probs / q).argmax(dim=-1)

@@ -103,8 +103,8 @@ def _bytes_per_block_of_one_head(config: LlamaConfig, block_size: int, dtype_byt
 
 def block_cases() -> list[tuple[str, int, int, int, int]]:
     """``(config name, block_size, dtype_bytes, tp_size, budget_bytes)``: every config at every tensor-parallel size
-    it splits over (the largest first: replicated heads tell the mistakes apart best), fp32 and bf16, two block sizes, and
-    four budgets: 37 blocks exactly, one byte less (36 blocks: rounding up gives 37), one byte less than a block (0
+    it splits over (the largest first: replicated heads tell the mistakes apart best), fp32 and bf16, two block sizes,
+    and four budgets: 37 blocks exactly, one byte less (36 blocks: rounding up gives 37), one byte less than a block (0
     blocks), and 100 MB + 12,345 bytes (off any boundary)."""
     cases = []
     for name, config in CONFIGS.items():
@@ -154,7 +154,7 @@ def _explain_heads(nkv: int, tp: int, rank: int, got: list[int], want: list[int]
             return (f"{call}: every KV head on every rank is the tp_size=1 answer; {rule}")
         return f"{call} (QKVParallelLinear's kv_heads for that rank): {rule}"
     per = nkv // tp
-    rule = (f"with at least as many KV heads as ranks the heads are split: each rank holds num_kv_heads // tp_size = "
+    rule = ("with at least as many KV heads as ranks the heads are split: each rank holds num_kv_heads // tp_size = "
             + (f"{per} consecutive heads, rank r heads r * {per} .. r * {per} + {per - 1}" if per > 1 else
                "1 head, rank r head r"))
     if got == list(range(nkv)) and tp > 1:

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from minillm.core.sched.output import SchedulerOutput
+from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.core import EngineCore
-from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.model.llama import LlamaForCausalLM
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
@@ -139,16 +139,18 @@ def record_plans(model: LlamaForCausalLM, name: str, engine_args: dict[str, Any]
     args = EngineArgs(**engine_args)
     core = EngineCore(model, args, async_scheduling=async_scheduling)
     runner = core.model_runner
+    assert runner is not None  # one process: the core holds the runner (tensor parallelism does not)
     steps: list[RecordedStep] = []
     execute = runner.execute_model
 
-    def recording(scheduler_output: SchedulerOutput) -> Any:
+    def recording(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         plan = pickle.dumps(scheduler_output)  # before the step: what the scheduler sends
         out = execute(scheduler_output)
         steps.append(RecordedStep(plan, list(out.req_ids), [list(t) for t in out.sampled_token_ids]))
         return out
 
-    runner.execute_model = recording  # an instance attribute: this runner only
+    # An instance attribute that wraps the method, on this runner only (mypy's method-assign is about classes).
+    runner.execute_model = recording  # type: ignore[method-assign]
     pending, aborts = {k: list(v) for k, v in arrivals.items()}, {k: list(v) for k, v in aborts.items()}
     turn = 0
     try:
@@ -182,7 +184,7 @@ def apply_sampled(batch: InputBatch, requests: dict[str, CachedRequestState], sc
     drafts were rejected)."""
     if scheduler_output.total_num_scheduled_tokens == 0:
         return
-    for rid, tokens in zip(step.req_ids, step.sampled_token_ids):
+    for rid, tokens in zip(step.req_ids, step.sampled_token_ids, strict=True):
         slot = batch.req_id_to_index[rid]
         requests[rid].token_ids.extend(tokens)
         batch.append_token_ids(slot, tokens)
@@ -211,7 +213,7 @@ def _tokens_differ(got: list[int], want: list[int]) -> str:
         return f"holds the expected {len(want)} tokens and {len(got) - len(want)} more, {got[len(want):]}"
     if len(got) < len(want) and want[:len(got)] == got:
         return f"holds {len(got)} tokens, the expected {len(want)} without the last {want[len(got):]}"
-    i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    i = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     return (f"holds {len(got)} tokens, expected {len(want)}; from position {i} on it holds {got[i:i + 8]}, "
             f"expected {want[i:i + 8]}")
 
@@ -324,29 +326,29 @@ def _batch_problem(mine: InputBatch, ref: InputBatch, so: SchedulerOutput,
                 f"now (resumed ones too); add the new requests in scheduled_new_reqs order, then the cached ones "
                 f"that are not in the batch in scheduled_cached_reqs order (add_request fills the lowest hole); then "
                 f"condense() once (it moves the last request into the lowest hole)")
-    for slot, rid in enumerate(ref.req_ids):
+    for slot, held in enumerate(ref.req_ids):
         n = int(ref.num_tokens_no_spec[slot])
         got_n = int(mine.num_tokens_no_spec[slot])
         if got_n != n or mine.token_ids_cpu[slot, :n].tolist() != ref.token_ids_cpu[slot, :n].tolist():
             why = (": the scheduler resent its tokens: write them into its slot (batch.set_token_ids)"
-                   if rid in so.scheduled_cached_reqs.all_token_ids else "")
+                   if held in so.scheduled_cached_reqs.all_token_ids else "")
             got_tokens, want_tokens = mine.token_ids_cpu[slot, :got_n].tolist(), ref.token_ids_cpu[slot, :n].tolist()
-            return f"slot {slot} ({rid!r}) {_tokens_differ(got_tokens, want_tokens)}{why}"
+            return f"slot {slot} ({held!r}) {_tokens_differ(got_tokens, want_tokens)}{why}"
         if int(mine.num_prompt_tokens[slot]) != int(ref.num_prompt_tokens[slot]):
-            return (f"slot {slot} ({rid!r}): num_prompt_tokens is {int(mine.num_prompt_tokens[slot])}, expected "
+            return (f"slot {slot} ({held!r}): num_prompt_tokens is {int(mine.num_prompt_tokens[slot])}, expected "
                     f"{int(ref.num_prompt_tokens[slot])}")
         if int(mine.num_computed_tokens_cpu[slot]) != int(ref.num_computed_tokens_cpu[slot]):
-            return (f"slot {slot} ({rid!r}): num_computed_tokens_cpu is {int(mine.num_computed_tokens_cpu[slot])}, "
+            return (f"slot {slot} ({held!r}): num_computed_tokens_cpu is {int(mine.num_computed_tokens_cpu[slot])}, "
                     f"expected {int(ref.num_computed_tokens_cpu[slot])}: a request that stays in its slot needs its "
                     f"context length written there too (batch.num_computed_tokens_cpu[slot])")
         k = int(ref.block_table.num_blocks_per_row[slot])
         got_k = int(mine.block_table.num_blocks_per_row[slot])
         got_row = mine.block_table.block_table[slot, :got_k].tolist()
         if got_row != ref.block_table.block_table[slot, :k].tolist():
-            if rid in so.scheduled_cached_reqs.resumed_req_ids and rid in slots_before:
-                return (f"slot {slot} ({rid!r}): its block-table row holds {got_row}, expected "
+            if held in so.scheduled_cached_reqs.resumed_req_ids and held in slots_before:
+                return (f"slot {slot} ({held!r}): its block-table row holds {got_row}, expected "
                         f"{ref.block_table.block_table[slot, :k].tolist()}: {_resumed_in_slot(so, slots_before)}")
-            return (f"slot {slot} ({rid!r}): its block-table row holds {got_row}, expected "
+            return (f"slot {slot} ({held!r}): its block-table row holds {got_row}, expected "
                     f"{ref.block_table.block_table[slot, :k].tolist()}: a request that stays in its slot gets its new "
                     f"blocks appended to its row (batch.block_table.append_row(new_block_ids, slot))")
     for rid, drafts in so.scheduled_spec_decode_tokens.items():

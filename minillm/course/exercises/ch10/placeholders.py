@@ -25,12 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from minillm.core.sched.output import SchedulerOutput
+from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
+from minillm.course.exercises.ch10.tiny import tiny_llama
+from minillm.engine import EngineCoreOutput
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.core import EngineCore
 from minillm.engine.parts import EngineParts
-from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.model.llama import LlamaForCausalLM
 from minillm.request import Request, RequestStatus
 from minillm.sampling_params import SamplingParams
@@ -49,7 +50,7 @@ class View:
     num_prompt_tokens: int
 
     @classmethod
-    def of(cls, request: Request) -> "View":
+    def of(cls, request: Request) -> View:
         return cls(request.status.name, request.num_computed_tokens, request.num_output_placeholders,
                    request.num_tokens, request.num_prompt_tokens)
 
@@ -98,14 +99,17 @@ class Recorder:
             self.events.append(Event("schedule", step, self.views(), plan=dict(so.num_scheduled_tokens)))
             return so
 
-        def recorded_update(so: SchedulerOutput, model_output: Any) -> Any:
-            outputs = update(so, model_output)
-            self.events.append(Event("update", self._step_of[id(so)], self.views(),
+        def recorded_update(scheduler_output: SchedulerOutput,
+                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+            outputs = update(scheduler_output, model_runner_output)
+            self.events.append(Event("update", self._step_of[id(scheduler_output)], self.views(),
                                      tokens={o.request_id: list(o.new_token_ids) for o in outputs},
                                      finished={o.request_id: o.finish_reason for o in outputs if o.finish_reason}))
             return outputs
 
-        scheduler.schedule, scheduler.update_from_output = recorded_schedule, recorded_update
+        # Instance attributes that wrap the methods, on this scheduler only (mypy's method-assign is about classes).
+        scheduler.schedule = recorded_schedule  # type: ignore[method-assign]
+        scheduler.update_from_output = recorded_update  # type: ignore[method-assign]
 
     def views(self) -> dict[str, View]:
         return {rid: View.of(r) for rid, r in self.requests.items()}
@@ -124,9 +128,11 @@ def _greedy(max_tokens: int, **kwargs: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-_CHUNKS = dict(block_size=4, num_gpu_blocks=200, max_num_batched_tokens=16, long_prefill_token_threshold=5,
-               max_num_seqs=4, max_model_len=64, enable_prefix_caching=False)
-_TIGHT = dict(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64, max_model_len=40, enable_prefix_caching=False)
+_CHUNKS: dict[str, Any] = dict(block_size=4, num_gpu_blocks=200, max_num_batched_tokens=16,
+                               long_prefill_token_threshold=5, max_num_seqs=4, max_model_len=64,
+                               enable_prefix_caching=False)
+_TIGHT: dict[str, Any] = dict(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64, max_model_len=40,
+                              enable_prefix_caching=False)
 _STOPPING_PROMPT = [(3 + 11 * j) % 211 for j in range(9)]
 
 
@@ -319,7 +325,7 @@ def run_lockstep(scenario: Scenario, learner_cls: type, model: LlamaForCausalLM,
         if turn > MAX_TURNS:
             raise AssertionError(f"In scenario {scenario.name!r}: no progress after {MAX_TURNS} turns")
     want = _run_sync(sync, scenario.requests)  # the tokens every engine must give, once the learner's are in
-    for _, rid, _, params in scenario.requests:
+    for _, rid, _, _ in scenario.requests:
         if got[rid] != want[rid]:
             raise AssertionError(f"In scenario {scenario.name!r}, your engine generated {got[rid]} for {rid!r}, the "
                                  f"synchronous engine {want[rid]}: async scheduling must not change a token")

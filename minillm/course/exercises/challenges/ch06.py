@@ -54,7 +54,7 @@ def parallel_sample(engine: LLMEngine, request_id: str, prompt_ids: list[int], p
     outputs: list[CompletionOutput | None] = [None] * n
     while any(o is None for o in outputs):
         for out in engine.step():
-            index = children.get(out.request_id)
-            if index is not None and out.finished:
-                outputs[index] = dataclasses.replace(out.outputs[0], index=index)
-    return outputs  # type: ignore[return-value]
+            slot = children.get(out.request_id)
+            if slot is not None and out.finished:
+                outputs[slot] = dataclasses.replace(out.outputs[0], index=slot)
+    return [o for o in outputs if o is not None]  # all of them: the loop ran until none is None

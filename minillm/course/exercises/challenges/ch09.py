@@ -51,7 +51,8 @@ class DeltaStorageConnector(SharedStorageConnector):
         return int(self._config.kv_connector_extra_config.get("decode_hits", {}).get(key, 0))
 
     def _store(self, save: ReqMeta, kv: torch.Tensor) -> None:
-        """Save positions ``hit ... P - 2`` of ``kv`` (which holds ``save.start ... save.end - 1``, the whole prompt)."""
+        """Save positions ``hit ... P - 2`` of ``kv`` (which holds ``save.start ... save.end - 1``, the whole
+        prompt)."""
         final = self._dir(save.key)
         if final.exists():
             return  # an engine saved the same prompt already

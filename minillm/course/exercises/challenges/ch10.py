@@ -49,8 +49,15 @@ import numpy as np
 import torch
 
 from minillm.core.sched.output import SchedulerOutput
-from minillm.course.exercises.ch10.persistent_batch import (RESETS, SCENARIOS, Recording, apply_sampled,
-                                                     describe_plan, record_plans, reference_update_states)
+from minillm.course.exercises.ch10.persistent_batch import (
+    RESETS,
+    SCENARIOS,
+    Recording,
+    apply_sampled,
+    describe_plan,
+    record_plans,
+    reference_update_states,
+)
 from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling_params import SamplingParams
@@ -89,9 +96,10 @@ def request_regions(input_batch: InputBatch, scheduler_output: SchedulerOutput,
     """
     _check_threshold(decode_threshold)
     n = input_batch.num_reqs
-    ids = input_batch.req_ids
-    if len(ids) != n or None in ids:
-        raise ValueError(f"the batch has holes (slots {ids}): reorder a condensed batch, after condense()")
+    slots = input_batch.req_ids
+    if len(slots) != n or None in slots:
+        raise ValueError(f"the batch has holes (slots {slots}): reorder a condensed batch, after condense()")
+    ids = [rid for rid in slots if rid is not None]  # all of them: no holes
     missing = [rid for rid in ids if rid not in scheduler_output.num_scheduled_tokens]
     if missing:
         raise ValueError(f"requests {missing} are in the batch but not scheduled in this step: reorder after the "
@@ -117,7 +125,7 @@ def swap_plan(regions: np.ndarray) -> list[tuple[int, int]]:
     out_of_place = np.flatnonzero(regions != wanted)
     # The out-of-place requests in region order (ties in slot order) fill the out-of-place slots in slot order.
     movers = out_of_place[np.argsort(regions[out_of_place], kind="stable")]
-    goes_to = dict(zip(movers.tolist(), out_of_place.tolist()))  # slot -> the slot its request goes to
+    goes_to = dict(zip(movers.tolist(), out_of_place.tolist(), strict=True))  # slot -> the slot its request goes to
     swaps: list[tuple[int, int]] = []
     placed: set[int] = set()
     for first in goes_to:
@@ -248,6 +256,7 @@ def _slot_data(batch: InputBatch, slot: int) -> tuple:
 def _describe(batch: InputBatch, slot: int, so: SchedulerOutput, threshold: int) -> str:
     """``'c', a short extend (1 token scheduled, 20 of its 21 prompt tokens computed)``."""
     rid = batch.req_ids[slot]
+    assert rid is not None, f"slot {slot} is a hole"
     n, computed, prompt = so.num_scheduled_tokens[rid], int(batch.num_computed_tokens_cpu[slot]), \
         int(batch.num_prompt_tokens[slot])
     region = int(request_regions(batch, so, threshold)[slot])
@@ -260,18 +269,24 @@ def _describe(batch: InputBatch, slot: int, so: SchedulerOutput, threshold: int)
     return f"{rid!r}, a {REGION_NAMES[region]} ({why})"
 
 
+def _index_of(batch: InputBatch, rid: str | None) -> int | None:
+    """``batch.req_id_to_index.get(rid)``, for a slot that may be a hole."""
+    return None if rid is None else batch.req_id_to_index.get(rid)
+
+
 def _structure_problem(mine: object, before: InputBatch) -> str | None:
     if not isinstance(mine, InputBatch):
         return f"input_batch must stay the InputBatch it was given, now it is a {type(mine).__name__}"
     ids = list(mine.req_ids)
-    if sorted(r for r in ids if r is not None) != sorted(before.req_ids) or None in ids:
+    held = sorted(r for r in ids if r is not None)
+    if held != sorted(r for r in before.req_ids if r is not None) or None in ids:
         return (f"the batch held {list(before.req_ids)} and holds {ids} after your function: reordering keeps "
                 f"every request, and no holes")
-    wrong = [(rid, i) for i, rid in enumerate(ids) if mine.req_id_to_index.get(rid) != i]
+    wrong = [(rid, i) for i, rid in enumerate(ids) if _index_of(mine, rid) != i]
     if wrong or len(mine.req_id_to_index) != len(ids):
         rid, i = wrong[0] if wrong else (None, None)
         return (f"req_ids and req_id_to_index disagree: slot {i} holds {rid!r}, but req_id_to_index says "
-                f"{mine.req_id_to_index.get(rid)}; batch.swap_states(i, j) keeps both in step"
+                f"{_index_of(mine, rid)}; batch.swap_states(i, j) keeps both in step"
                 if wrong else f"req_id_to_index has {len(mine.req_id_to_index)} entries for {len(ids)} requests")
     return None
 
@@ -285,7 +300,8 @@ def _data_problem(mine: InputBatch, before: InputBatch) -> str | None:
         whose = next((r for r, s in before.req_id_to_index.items() if _slot_data(before, s) == _slot_data(mine, new)),
                      None)
         labels = ("tokens", "prompt length", "context length", "block count", "block-table row")
-        fields = [label for label, a, b in zip(labels, _slot_data(mine, new), _slot_data(before, old)) if a != b]
+        fields = [label for label, a, b in zip(labels, _slot_data(mine, new), _slot_data(before, old), strict=True)
+                  if a != b]
         if whose is not None and whose != rid:
             return (f"{rid!r} moved from slot {old} to slot {new}, but slot {new} holds the data of {whose!r} "
                     f"(its {', '.join(fields)}): you moved the request id but not its data. batch.swap_states(i, j) "

@@ -56,6 +56,7 @@ import torch
 from minillm.attention.metadata import AttentionMetadata
 from minillm.attention.paged import BACKENDS, PagedAttention, allocate_kv_caches
 from minillm.attention.torch_sdpa import TorchSDPAAttention
+from minillm.config import SpeculativeConfig
 from minillm.core.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from minillm.distributed.kv_transfer.base import KVConnectorBase_V1
 from minillm.distributed.kv_transfer.kv_transfer_utils import KVConnectorAttention
@@ -233,8 +234,8 @@ class ModelRunner:
         attention_backend: ``"torch"`` or ``"triton"``.
         kv_cache_dtype: the cache's dtype (default: the model's).
         eos_token_id: the EOS id that ``min_tokens`` blocks (default: the model config's).
-        speculative_config: ``None``, or a checked n-gram config (see
-            :func:`~minillm.engine.arg_utils.parse_speculative_config`): propose drafts after each step.
+        speculative_config: ``None``, or a :class:`~minillm.config.SpeculativeConfig`: propose drafts after each
+            step.
         attention_fn: ``None`` for the configured backend, or exercise 1.2's ``(q, k, v, ctx_len) -> out``, run
             request by request over its gathered paged K/V (chapter 8 hands a learner's down here).
         top_k_top_p: the sampler's top-k/top-p filter (exercise 5.1's signature; default: the package's).
@@ -263,9 +264,9 @@ class ModelRunner:
         last_step_seconds: wall time of the latest :meth:`execute_model`.
     """
 
-    def __init__(self, model: LlamaForCausalLM | TensorParallelLlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch",
-                 kv_cache_dtype: torch.dtype | None = None, eos_token_id: int | None = None,
-                 speculative_config: dict | None = None, attention_fn: Callable[..., torch.Tensor] | None = None,
+    def __init__(self, model: LlamaForCausalLM | TensorParallelLlamaForCausalLM, num_blocks: int, block_size: int,
+                 attention_backend: str = "torch", kv_cache_dtype: torch.dtype | None = None,
+                 eos_token_id: int | None = None, speculative_config: SpeculativeConfig | None = None, attention_fn: Callable[..., torch.Tensor] | None = None,
                  top_k_top_p: Callable[..., torch.Tensor] = apply_top_k_top_p,
                  prepare_inputs_fn: Callable[..., BatchInputs] = prepare_inputs,
                  kv_connector: KVConnectorBase_V1 | None = None, max_num_reqs: int | None = None,
@@ -286,9 +287,8 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.drafter: NgramProposer | None = None
         if speculative_config is not None:
-            self.drafter = NgramProposer(speculative_config["prompt_lookup_min"],
-                                         speculative_config["prompt_lookup_max"],
-                                         speculative_config["num_speculative_tokens"])
+            self.drafter = NgramProposer(speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max,
+                                         speculative_config.num_speculative_tokens)
         self.requests: dict[str, CachedRequestState] = {}
         if max_num_reqs is None:
             # Every scheduled request computes at least its last token into a block of its own, so no more than

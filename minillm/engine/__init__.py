@@ -21,10 +21,11 @@ vLLM counterpart: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``Engin
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 
+from minillm.config import LlamaConfig
 from minillm.sampling_params import SamplingParams
 
 
@@ -155,6 +156,27 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: UtilityOutput | None = None
 
 
+class EngineCoreReady(TypedDict):
+    """The engine core's handshake (its first message, ``READY``): what a front end needs to know about it.
+
+    Attributes:
+        pid: the process the core runs in (this one when in-process).
+        num_gpu_blocks / block_size / max_model_len: the KV cache and the longest sequence it serves.
+        async_scheduling: whether it steps with a batch queue (:meth:`~minillm.engine.core.EngineCore.step_with_batch_queue`).
+        attention_backend / dtype: what runs the model.
+        model_config: the loaded model's :class:`~minillm.config.LlamaConfig`.
+    """
+
+    pid: int
+    num_gpu_blocks: int
+    max_model_len: int
+    block_size: int
+    async_scheduling: bool
+    attention_backend: str
+    dtype: str
+    model_config: LlamaConfig
+
+
 class EngineDeadError(RuntimeError):
     """The engine core has stopped (its process died, it raised, or it was shut down): no request can be served.
 
@@ -162,5 +184,5 @@ class EngineDeadError(RuntimeError):
     """
 
 
-__all__ = ["EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType", "EngineDeadError",
-           "EngineStats", "SchedulerStats", "UtilityOutput"]
+__all__ = ["EngineCoreOutput", "EngineCoreOutputs", "EngineCoreReady", "EngineCoreRequest", "EngineCoreRequestType",
+           "EngineDeadError", "EngineStats", "SchedulerStats", "UtilityOutput"]

@@ -24,6 +24,7 @@ import torch
 
 from minillm.attention.paged import BACKENDS
 from minillm.config import SCHEDULING_POLICIES, KVTransferConfig, LlamaConfig, SchedulerConfig, SpeculativeConfig
+from minillm.model.llama import LlamaForCausalLM
 from minillm.model.llama_tp import check_tensor_parallel_config
 from minillm.model.parallel_layers import num_kv_heads_per_rank
 from minillm.platforms.cpu import DtypeChoice
@@ -269,6 +270,23 @@ class EngineArgs:
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "mp" if self.tensor_parallel_size > 1 else "uni"
+
+    # -- loading ---------------------------------------------------------------------------------------------------
+    def load_model(self) -> LlamaForCausalLM:
+        """The model ``model`` names, in ``resolved_dtype()`` on ``resolved_device()``."""
+        from minillm.loaders.load import load_model
+
+        model = load_model(self.model, dtype=self.resolved_dtype(), device=self.resolved_device(), tokenizer=False)
+        assert isinstance(model, LlamaForCausalLM)
+        return model
+
+    def load_tokenizer(self) -> Any:
+        """The tokenizer ``tokenizer`` names, else the model's own (``None`` for a directory without one); loads no
+        weights."""
+        from minillm.loaders.load import load_model_tokenizer
+        from minillm.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.tokenizer) if self.tokenizer is not None else load_model_tokenizer(self.model)
 
     # -- what depends on the model -------------------------------------------------------------------------------
     def resolved_device(self) -> str:

@@ -41,15 +41,15 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import torch
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
-from minillm.engine import (EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, EngineDeadError, EngineStats,
-                            SchedulerStats, UtilityOutput)
+from minillm.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+                            EngineCoreRequestType, EngineDeadError, EngineStats, SchedulerStats, UtilityOutput)
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.parts import EngineParts
 from minillm.executor.abstract import Executor
@@ -63,10 +63,19 @@ from minillm.system_utils import watch_parent
 from minillm.worker.model_runner import ModelRunner
 from minillm.worker.worker import Worker
 
+if TYPE_CHECKING:
+    import multiprocessing.connection
+
+    import zmq
+
 logger = logging.getLogger(__name__)
 
 # Frames the core sends first, before the payload (the client's output thread dispatches on them).
 READY, FAILED, OUTPUTS, DEAD = b"R", b"F", b"O", b"D"
+# What a client's ABORT and UTILITY messages carry: (request ids, status) and (call id, method, arguments).
+AbortPayload = tuple[list[str], int]
+UtilityPayload = tuple[int, str, list[Any]]
+ClientPayload = EngineCoreRequest | AbortPayload | UtilityPayload
 
 
 class EngineCore:
@@ -90,11 +99,12 @@ class EngineCore:
 
     def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, parts: EngineParts | None = None,
                  eos_token_id: int | None = None, async_scheduling: bool = False,
-                 model_thread: Any = None) -> None:
+                 model_thread: ThreadPoolExecutor | None = None) -> None:
         args = engine_args
         self.parts = parts if parts is not None else EngineParts()
         self.engine_args = args
         self.model_config = model.config
+        self.dtype = str(model.dtype).removeprefix("torch.")
         self.scheduler_config = args.create_scheduler_config(model.config)
         self.max_model_len = self.scheduler_config.max_model_len
         self.num_gpu_blocks = args.resolved_num_gpu_blocks(model.config, self.max_model_len, model.dtype)
@@ -397,6 +407,13 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.make_stats()
 
+    def ready_message(self) -> EngineCoreReady:
+        """The handshake: what a client learns about this core before anything else (``READY``)."""
+        return EngineCoreReady(pid=os.getpid(), num_gpu_blocks=self.num_gpu_blocks, max_model_len=self.max_model_len,
+                               block_size=self.engine_args.block_size, async_scheduling=self.async_scheduling,
+                               attention_backend=self.attention_backend, dtype=self.dtype,
+                               model_config=self.model_config)
+
     def shutdown(self) -> None:
         """Let the executor's thread finish, and a KV connector what it sends or waits for (chapter 9)."""
         self.model_executor.shutdown()
@@ -412,19 +429,21 @@ class EngineCoreProc(EngineCore):
     :class:`~minillm.engine.core_client.MPClient`.
     """
 
-    def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, input_address: str, output_socket: Any,
-                 eos_token_id: int | None = None, async_scheduling: bool = False, model_thread: Any = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, input_address: str,
+                 output_socket: zmq.Socket[bytes], eos_token_id: int | None = None, async_scheduling: bool = False,
+                 model_thread: ThreadPoolExecutor | None = None) -> None:
         super().__init__(model, engine_args, eos_token_id=eos_token_id, async_scheduling=async_scheduling,
                          model_thread=model_thread)
         self.input_address = input_address
         self.output_socket = output_socket
-        self.input_queue: queue.Queue = queue.Queue()
-        self.output_queue: queue.Queue = queue.Queue()
-        self._request_decoder = MsgpackDecoder(EngineCoreRequest)
-        self._plain_decoder = MsgpackDecoder()
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, ClientPayload]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[bytes, EngineCoreOutputs | bytes] | None] = queue.Queue()
+        self._decoders = {EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+                          EngineCoreRequestType.ABORT: MsgpackDecoder(AbortPayload),
+                          EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityPayload)}
 
     # -- the two socket threads ---------------------------------------------------------------------------------
-    def process_input_sockets(self, context: Any) -> None:
+    def process_input_sockets(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
         """Input thread: receive, decode, queue. Decoding here keeps it off the busy loop's time."""
         import zmq
 
@@ -432,12 +451,9 @@ class EngineCoreProc(EngineCore):
         sock.connect(self.input_address)
         try:
             while True:
-                kind, payload = sock.recv_multipart(copy=False)
-                kind = EngineCoreRequestType(bytes(kind.buffer))
-                if kind is EngineCoreRequestType.ADD:
-                    self.input_queue.put_nowait((kind, self._request_decoder.decode(payload.buffer)))
-                else:
-                    self.input_queue.put_nowait((kind, self._plain_decoder.decode(payload.buffer)))
+                frame, payload = sock.recv_multipart(copy=False)
+                kind = EngineCoreRequestType(bytes(frame.buffer))
+                self.input_queue.put_nowait((kind, self._decoders[kind].decode(payload.buffer)))
         except zmq.ContextTerminated:
             pass
         finally:
@@ -455,8 +471,8 @@ class EngineCoreProc(EngineCore):
                 if item is None:
                     return
                 kind, payload = item
-                self.output_socket.send_multipart([kind, payload if kind == DEAD else encoder.encode(payload)],
-                                                  copy=False)
+                data = payload if isinstance(payload, bytes) else encoder.encode(payload)  # DEAD's text is bytes
+                self.output_socket.send_multipart([kind, data], copy=False)
         except zmq.ContextTerminated:
             pass
 
@@ -479,18 +495,18 @@ class EngineCoreProc(EngineCore):
         if outputs is not None and outputs.outputs:
             self.output_queue.put_nowait((OUTPUTS, outputs))
 
-    def _handle_client_request(self, kind: EngineCoreRequestType, payload: Any) -> None:
-        if kind is EngineCoreRequestType.ADD:
+    def _handle_client_request(self, kind: EngineCoreRequestType, payload: ClientPayload) -> None:
+        if isinstance(payload, EngineCoreRequest):  # ADD
             try:
                 self.add_request(payload)
             except ValueError as e:  # the client checks first; a request the scheduler still refuses ends alone
                 logger.warning("refused request %r: %s", payload.request_id, e)
                 self.output_queue.put_nowait((OUTPUTS, EngineCoreOutputs(outputs=[self._refused(payload)])))
         elif kind is EngineCoreRequestType.ABORT:
-            request_ids, status = payload
+            request_ids, status = cast(AbortPayload, payload)
             self.abort_requests(request_ids, RequestStatus(status))
         elif kind is EngineCoreRequestType.UTILITY:
-            call_id, method, args = payload
+            call_id, method, args = cast(UtilityPayload, payload)
             try:
                 if method.startswith("_") or not callable(getattr(self, method, None)):
                     raise ValueError(f"unknown utility method {method!r}")
@@ -501,15 +517,14 @@ class EngineCoreProc(EngineCore):
                 utility_output=UtilityOutput(call_id, failure, result))))
 
     @staticmethod
-    def _refused(request: EngineCoreRequest) -> Any:
-        from minillm.engine import EngineCoreOutput
-
+    def _refused(request: EngineCoreRequest) -> EngineCoreOutput:
         return EngineCoreOutput(request.request_id, [], finish_reason="abort")
 
 
 def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_scheduling: bool, input_address: str,
-                    output_address: str, death_pipe: Any, num_threads: int | None = None,
-                    model_pipe: Any = None) -> None:
+                    output_address: str, death_pipe: multiprocessing.connection.Connection,
+                    num_threads: int | None = None,
+                    model_pipe: multiprocessing.connection.Connection | None = None) -> None:
     """The engine-core process's entry point: load, handshake, busy loop; tell the client if anything fails.
 
     A model the caller already loaded arrives on ``model_pipe`` once the process runs (not with the process's
@@ -520,7 +535,7 @@ def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_sch
     # the core must live on to serve the next call. SIGTERM is how the client shuts it down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    def on_sigterm(signum: int, frame: Any) -> None:
+    def on_sigterm(signum: int, frame: object) -> None:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -533,20 +548,21 @@ def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_sch
     out.setsockopt(zmq.SNDHWM, 0)
     out.connect(output_address)
     encoder = MsgpackEncoder()
-    core = model = None
+    core: EngineCoreProc | None = None
     try:
         def build() -> EngineCoreProc:
-            nonlocal model
             if num_threads is not None:
                 torch.set_num_threads(num_threads)
             if model_pipe is not None:
                 model = model_pipe.recv()
                 model_pipe.close()
             else:
-                import minillm
+                from minillm.loaders.load import load_model
 
-                model = minillm.load_model(engine_args.model, dtype=engine_args.resolved_dtype(),
-                                           device=engine_args.resolved_device(), tokenizer=False)
+                model = load_model(engine_args.model, dtype=engine_args.resolved_dtype(),
+                                   device=engine_args.resolved_device(), tokenizer=False)
+            if not isinstance(model, LlamaForCausalLM):
+                raise TypeError(f"the engine core needs a LlamaForCausalLM, got {type(model).__name__}")
             return EngineCoreProc(model, engine_args, input_address, out, eos_token_id, async_scheduling,
                                   model_thread=model_thread)
 
@@ -555,12 +571,7 @@ def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_sch
         except Exception as e:  # noqa: BLE001 - the client raises it in the caller's process
             out.send_multipart([FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
             return
-        cfg = model.config
-        out.send_multipart([READY, encoder.encode({
-            "pid": os.getpid(), "num_gpu_blocks": core.num_gpu_blocks, "max_model_len": core.max_model_len,
-            "block_size": engine_args.block_size, "async_scheduling": async_scheduling,
-            "attention_backend": core.attention_backend, "dtype": str(model.dtype).removeprefix("torch."),
-            "model_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}})])
+        out.send_multipart([READY, encoder.encode(core.ready_message())])
         threading.Thread(target=core.process_input_sockets, args=(context,), name="minillm-core-input",
                          daemon=True).start()
         output_thread = threading.Thread(target=core.process_output_sockets, name="minillm-core-output", daemon=True)

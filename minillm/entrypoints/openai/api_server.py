@@ -17,7 +17,7 @@ Routes:
 
 One :class:`~minillm.engine.async_llm.AsyncLLM` owns the engine: by default its engine core runs in a process of its
 own (``MINILLM_ENABLE_V1_MULTIPROCESSING=1``; async scheduling on a GPU, or with ``--async-scheduling``) and one
-task on the event loop takes its outputs; with an engine object given (``build_app(llm)``, :class:`BackgroundServer`) a background thread steps it. Every HTTP
+task on the event loop takes its outputs; with an engine object given (``build_app(llm)``, :class:`BackgroundServer`) an engine thread drives its core. Every HTTP
 connection is an asyncio task that submits its request and reads its outputs. A client that disconnects has its
 request aborted (streaming: Starlette cancels the response generator; non-streaming: a watcher notices the
 ``http.disconnect`` message and cancels the handler), which frees its KV blocks at once.
@@ -87,6 +87,8 @@ except ImportError:  # pragma: no cover - the server's extra is not installed; b
     uvicorn = None
 
 from minillm.engine.async_llm import AsyncLLM, EngineDeadError
+from minillm.engine.core_client import AsyncInprocClient
+from minillm.engine.llm_engine import LLMEngine
 from minillm.entrypoints.openai.middleware import (DEFAULT_MAX_REQUEST_BODY_BYTES, AuthenticationMiddleware,
                                                    HostCheckMiddleware, RequestBodyMiddleware, is_loopback_host)
 from minillm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -151,15 +153,24 @@ def api_keys_from(api_key: str | Sequence[str] | None) -> list[str]:
     return [k for k in keys if k]
 
 
+def serve_engine_core(engine: LLMEngine) -> AsyncLLM:
+    """An :class:`AsyncLLM` in front of ``engine``'s engine core: a front end of its own, and an engine thread that
+    alone calls the engine's client until the AsyncLLM shuts down (then ``engine`` works again as before)."""
+    if not isinstance(engine, LLMEngine):
+        raise ValueError(f"build_app serves an LLM, an LLMEngine or an AsyncLLM, got {type(engine).__name__}")
+    client = AsyncInprocClient(engine.engine_core, shutdown_client=False)
+    return AsyncLLM.from_engine_core(client, engine.tokenizer, engine.engine_args)
+
+
 def build_app(engine: Any, served_model_name: str | None = None, *, api_key: str | Sequence[str] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               allowed_hosts: Sequence[str] | None = (), owns_engine: bool | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
-        engine: an ``LLMEngine`` or an ``LLM`` (its engine is wrapped in an :class:`AsyncLLM` whose thread the app
-            stops at shutdown; the engine is usable again afterwards), or an :class:`AsyncLLM` (left running: its
-            owner shuts it down).
+        engine: an ``LLMEngine`` or an ``LLM`` (an :class:`AsyncLLM` serves its engine core through an engine
+            thread that the app stops at shutdown; the engine is usable again afterwards), or an :class:`AsyncLLM`
+            (left running: its owner shuts it down).
         served_model_name: the model's name in the API (default: the model file's name).
         api_key: a key (or several) every ``/v1`` request must send as ``Authorization: Bearer <key>``; default
             ``$MINILLM_API_KEY``; none set: no key is asked for.
@@ -171,11 +182,10 @@ def build_app(engine: Any, served_model_name: str | None = None, *, api_key: str
     """
     engine = getattr(engine, "llm_engine", engine)  # an LLM: serve its engine
     wrap = not isinstance(engine, AsyncLLM)
-    engine_client = AsyncLLM(engine) if wrap else engine
+    engine_client = serve_engine_core(engine) if wrap else engine
     owns_engine = wrap if owns_engine is None else owns_engine
     if served_model_name is None:
-        args = getattr(getattr(engine_client, "engine", None), "engine_args", None)
-        served_model_name = default_served_model_name(getattr(args, "model", None))
+        served_model_name = default_served_model_name(engine_client.engine_args.model)
     tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenizer")  # shared: one tokenizer
     serving_chat = OpenAIServingChat(engine_client, served_model_name, tokenizer_executor)
     serving_completion = OpenAIServingCompletion(engine_client, served_model_name, tokenizer_executor)
@@ -536,14 +546,10 @@ def run_server(args: argparse.Namespace) -> int:
     if engine_args.resolved_attention_backend() == "triton" and engine_args.resolved_device() == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     print(f"minillm: dtype {engine_args.dtype_choice()}", flush=True)
-    from minillm.engine.core_client import multiprocessing_enabled
-    from minillm.engine.llm_engine import LLMEngine
-
     try:
         # vLLM's way by default: the engine core in its own process, awaited by the event loop (AsyncMPClient);
-        # MINILLM_ENABLE_V1_MULTIPROCESSING=0: the engine in this process, stepped by AsyncLLM's thread.
-        engine = (AsyncLLM.from_engine_args(engine_args) if multiprocessing_enabled()
-                  else LLMEngine.from_engine_args(engine_args, multiprocess_mode=False))
+        # MINILLM_ENABLE_V1_MULTIPROCESSING=0: the core in this process, stepped by an engine thread.
+        engine = AsyncLLM.from_engine_args(engine_args)
     except KeyboardInterrupt:
         print("interrupted while loading the model", file=sys.stderr)
         sock.close()
@@ -564,8 +570,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        if isinstance(engine, AsyncLLM):  # build_app leaves an AsyncLLM it was given to its owner: us
-            engine.shutdown()
+        engine.shutdown()  # build_app leaves an AsyncLLM it was given to its owner: us
     return 0
 
 

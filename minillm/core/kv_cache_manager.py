@@ -22,10 +22,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Container, Sequence
+from typing import TypedDict
 
 from minillm.core.block_pool import BlockPool
-from minillm.core.kv_cache_utils import (BlockHash, KVCacheBlock, PrefixCacheStats, hash_block_tokens,
-                                         hash_request_tokens)
+from minillm.core.kv_cache_utils import (
+    BlockHash,
+    KVCacheBlock,
+    PrefixCacheStats,
+    hash_block_tokens,
+    hash_request_tokens,
+)
 from minillm.request import Request
 
 
@@ -68,6 +74,15 @@ def num_cached_prefix_tokens(block_hashes: Sequence[BlockHash], num_tokens: int,
 def free_request_blocks(pool: BlockPool, req_blocks: Sequence[KVCacheBlock]) -> None:
     """Drop the request's reference to each of its blocks, tail first (see :meth:`BlockPool.free_blocks`)."""
     pool.free_blocks(reversed(req_blocks))
+
+
+class KVCacheFns(TypedDict, total=False):
+    """:class:`KVCacheManager`'s replaceable functions, as a scheduler passes them on (chapter 8)."""
+
+    allocate_fn: Callable[..., list[KVCacheBlock] | None]
+    block_hashes_fn: Callable[[Sequence[int], int], list[BlockHash]]
+    num_cached_tokens_fn: Callable[..., int]
+    free_fn: Callable[[BlockPool, Sequence[KVCacheBlock]], None]
 
 
 class KVCacheManager:
@@ -165,7 +180,13 @@ class KVCacheManager:
         hashes = self._update_block_hashes(request)
         num_hit = self.num_cached_tokens_fn(hashes, request.num_tokens, self._block_size,
                                             self.block_pool.cached_block_hash_to_block)
-        blocks = [self.block_pool.get_cached_block(h) for h in hashes[:num_hit // self._block_size]]
+        blocks: list[KVCacheBlock] = []
+        for h in hashes[:num_hit // self._block_size]:
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                raise ValueError(f"num_cached_tokens_fn counted {num_hit} cached tokens, but block {len(blocks)} "
+                                 f"(hash {h.hex()[:12]}...) is not in the prefix cache; count only cached blocks")
+            blocks.append(block)
         # No statistics here: a request waiting for room is looked up again every step. The scheduler counts it
         # once, when it is admitted (record_prefix_cache_stats).
         return blocks, len(blocks) * self._block_size

@@ -20,7 +20,6 @@ import hashlib
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 #: A block's hash: 32 bytes of SHA-256. Bytes (not Python's ``hash``) so it is the same in every process and run.
 BlockHash = bytes
@@ -30,7 +29,7 @@ NONE_HASH: BlockHash = hashlib.sha256(b"minillm prefix cache root").digest()
 
 
 def hash_block_tokens(parent_block_hash: BlockHash | None, block_token_ids: Sequence[int],
-                      extra_keys: tuple[Any, ...] | None = None) -> BlockHash:
+                      extra_keys: tuple[object, ...] | None = None) -> BlockHash:
     """Hash of one full block, chained on its parent's hash.
 
     Args:
@@ -52,7 +51,7 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, block_token_ids: Sequ
     return h.digest()
 
 
-def hash_request_tokens(token_ids: Sequence[int], block_size: int, extra_keys: tuple[Any, ...] | None = None,
+def hash_request_tokens(token_ids: Sequence[int], block_size: int, extra_keys: tuple[object, ...] | None = None,
                         parent_block_hash: BlockHash | None = None) -> list[BlockHash]:
     """Hashes of every *full* block of ``token_ids`` (a trailing partial block gets none).
 

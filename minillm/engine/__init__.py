@@ -162,7 +162,7 @@ class EngineCoreReady(TypedDict):
     Attributes:
         pid: the process the core runs in (this one when in-process).
         num_gpu_blocks / block_size / max_model_len: the KV cache and the longest sequence it serves.
-        async_scheduling: whether it steps with a batch queue (:meth:`~minillm.engine.core.EngineCore.step_with_batch_queue`).
+        async_scheduling: whether it steps with a batch queue (``EngineCore.step_with_batch_queue``).
         attention_backend / dtype: what runs the model.
         model_config: the loaded model's :class:`~minillm.config.LlamaConfig`.
     """

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from minillm.model.llama_tp import check_tensor_parallel_config
 from minillm.model.parallel_layers import num_kv_heads_per_rank
 from minillm.platforms.cpu import DtypeChoice
 from minillm.platforms.dtype import parse_dtype, resolve_dtype  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Used when neither num_gpu_blocks, kv_cache_memory_bytes nor kv_cache_memory_fraction is given.
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 ** 2
@@ -160,7 +163,7 @@ class EngineArgs:
         return [f.name for f in dataclasses.fields(cls) if f.init]
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """Build from keyword arguments, with a clear error for an unknown name."""
         unknown = sorted(set(kwargs) - set(cls.field_names()))
         if unknown:
@@ -280,7 +283,7 @@ class EngineArgs:
         assert isinstance(model, LlamaForCausalLM)
         return model
 
-    def load_tokenizer(self) -> Any:
+    def load_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The tokenizer ``tokenizer`` names, else the model's own (``None`` for a directory without one); loads no
         weights."""
         from minillm.loaders.load import load_model_tokenizer

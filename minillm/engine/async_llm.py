@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from minillm.engine import EngineCoreOutputs, EngineDeadError, SchedulerStats
 from minillm.engine.arg_utils import EngineArgs
@@ -28,6 +28,9 @@ from minillm.engine.parts import EngineParts
 from minillm.model.llama import LlamaForCausalLM
 from minillm.request import RequestStatus
 from minillm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["AsyncLLM", "AsyncLLMStats", "EngineDeadError", "RequestOutputCollector"]
 
@@ -121,7 +124,8 @@ class AsyncLLM:
         ValueError: a bad argument (as ``LLMEngine``). RuntimeError: the engine-core process failed to start.
     """
 
-    def __init__(self, model: LlamaForCausalLM | None, tokenizer: Any = None, engine_args: EngineArgs | None = None,
+    def __init__(self, model: LlamaForCausalLM | None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 engine_args: EngineArgs | None = None,
                  parts: EngineParts | None = None, multiprocess_mode: bool = True) -> None:
         args = engine_args if engine_args is not None else EngineArgs()
         if not isinstance(args, EngineArgs):
@@ -132,13 +136,14 @@ class AsyncLLM:
         if multiprocess_mode and parts is not None and parts.replaced():
             raise ValueError(f"replaced engine parts ({parts.replaced()}) run in-process only: "
                              f"multiprocess_mode=False")
-        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
         client = EngineCoreClient.make_client(multiprocess_mode, asyncio_mode=True, engine_args=args, model=model,
                                               parts=parts, eos_token_id=eos)
         self._init_front_end(client, tokenizer, args)
 
     @classmethod
-    def from_engine_core(cls, engine_core: EngineCoreClient, tokenizer: Any, engine_args: EngineArgs) -> AsyncLLM:
+    def from_engine_core(cls, engine_core: EngineCoreClient, tokenizer: PreTrainedTokenizerBase | None,
+                         engine_args: EngineArgs) -> AsyncLLM:
         """An ``AsyncLLM`` in front of a core someone else built, through an asyncio client (``AsyncMPClient``, or
         an ``AsyncInprocClient`` over another front end's synchronous client, as ``build_app(llm)`` serves an
         ``LLM``)."""
@@ -155,13 +160,14 @@ class AsyncLLM:
         model = None if multiprocess_mode else engine_args.load_model()
         return cls(model, engine_args.load_tokenizer(), engine_args, multiprocess_mode=multiprocess_mode)
 
-    def _init_front_end(self, engine_core: EngineCoreClient, tokenizer: Any, engine_args: EngineArgs) -> None:
+    def _init_front_end(self, engine_core: EngineCoreClient, tokenizer: PreTrainedTokenizerBase | None,
+                        engine_args: EngineArgs) -> None:
         ready = engine_core.ready
         self.engine_args = engine_args
         self.tokenizer = tokenizer
         self.model_config = ready["model_config"]
         self.max_model_len: int = engine_args.create_scheduler_config(self.model_config).max_model_len
-        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
         self.input_processor = InputProcessor(tokenizer, self.model_config, self.max_model_len,
                                               eos if eos is not None else self.model_config.eos_token_id,
                                               speculative=engine_args.create_speculative_config() is not None)
@@ -293,7 +299,7 @@ class AsyncLLM:
             self._loop = loop
         return loop
 
-    def _on_loop(self, fn: Any, *args: Any, defer: bool = False) -> None:
+    def _on_loop(self, fn: Callable[..., object], *args: object, defer: bool = False) -> None:
         """Run ``fn(*args)`` on the event loop's thread: now if this is it (and not ``defer``), else soon; at once
         when there is no loop any more."""
         loop = self._loop

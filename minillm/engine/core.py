@@ -48,8 +48,17 @@ import torch
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
-from minillm.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
-                            EngineCoreRequestType, EngineDeadError, EngineStats, SchedulerStats, UtilityOutput)
+from minillm.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineDeadError,
+    EngineStats,
+    SchedulerStats,
+    UtilityOutput,
+)
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.parts import EngineParts
 from minillm.executor.abstract import Executor
@@ -60,7 +69,7 @@ from minillm.model.llama_tp import check_tensor_parallel_config
 from minillm.request import Request, RequestStatus
 from minillm.serial_utils import MsgpackDecoder, MsgpackEncoder
 from minillm.system_utils import watch_parent
-from minillm.worker.model_runner import ModelRunner
+from minillm.worker.model_runner import ModelRunner, ModelRunnerArgs
 from minillm.worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -134,24 +143,27 @@ class EngineCore:
                                                   args.enable_prefix_caching, **self.parts.scheduler_fns())
         # Chapter 9: a KV connector has two halves, one for the scheduler and one for the model runner.
         self.kv_connector_scheduler = self.kv_connector_worker = None
-        if args.kv_transfer_config is not None:
+        kv_transfer_config = args.create_kv_transfer_config()
+        if kv_transfer_config is not None:
             from minillm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
 
             make = KVConnectorFactory.create_connector
-            self.kv_connector_scheduler = make(args.kv_transfer_config, KVConnectorRole.SCHEDULER, model.config,
+            self.kv_connector_scheduler = make(kv_transfer_config, KVConnectorRole.SCHEDULER, model.config,
                                                args.block_size)
-            self.kv_connector_worker = make(args.kv_transfer_config, KVConnectorRole.WORKER, model.config,
+            self.kv_connector_worker = make(kv_transfer_config, KVConnectorRole.WORKER, model.config,
                                             args.block_size)
             self.scheduler.set_kv_connector(self.kv_connector_scheduler)
         self.eos_token_id = eos_token_id if eos_token_id is not None else model.config.eos_token_id
-        runner_kwargs = dict(num_blocks=self.num_gpu_blocks, block_size=args.block_size,
-                             attention_backend=self.attention_backend, eos_token_id=self.eos_token_id,
-                             speculative_config=args.speculative_config, kv_connector=self.kv_connector_worker,
-                             max_num_reqs=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len)
+        runner_kwargs = ModelRunnerArgs(num_blocks=self.num_gpu_blocks, block_size=args.block_size,
+                                        attention_backend=self.attention_backend, eos_token_id=self.eos_token_id,
+                                        speculative_config=args.create_speculative_config(),
+                                        kv_connector=self.kv_connector_worker,
+                                        max_num_reqs=self.scheduler_config.max_num_seqs,
+                                        max_model_len=self.max_model_len, **self.parts.model_runner_fns())
         self.tensor_parallel_size = args.tensor_parallel_size
         self.model_executor: Executor
         if args.resolved_distributed_executor_backend() == "uni":
-            worker = Worker(model, **runner_kwargs, **self.parts.model_runner_fns())
+            worker = Worker(model, **runner_kwargs)
             self.model_runner: ModelRunner | None = worker.model_runner
             self.model_executor = UniProcExecutor(worker, model_thread)
         else:
@@ -378,9 +390,10 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         """The core now: queues, KV cache, counters."""
         kv = self.scheduler.kv_cache_manager
-        return SchedulerStats(num_running_reqs=len(self.scheduler.running), num_waiting_reqs=len(self.scheduler.waiting),
-                              num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
-                              kv_cache_usage=float(kv.usage), engine=msgspec.structs.replace(self.stats))
+        return SchedulerStats(num_running_reqs=len(self.scheduler.running),
+                              num_waiting_reqs=len(self.scheduler.waiting), num_blocks=kv.num_blocks,
+                              num_free_blocks=kv.num_free_blocks, kv_cache_usage=float(kv.usage),
+                              engine=msgspec.structs.replace(self.stats))
 
     def get_num_free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.num_free_blocks

@@ -35,12 +35,20 @@ import typing
 import uuid
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from minillm.engine import (EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, EngineCoreRequestType,
-                            EngineDeadError, EngineStats, SchedulerStats)
+from minillm.engine import (
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineDeadError,
+    EngineStats,
+    SchedulerStats,
+)
 from minillm.request import RequestStatus
 from minillm.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -127,7 +135,7 @@ class EngineCoreClient:
         must still step for."""
         raise NotImplementedError
 
-    def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+    def call_utility(self, method: str, *args: object, timeout: float = 60.0) -> Any:
         """``EngineCore.<method>(*args)`` (a public method), its result of the declared return type in every mode."""
         raise NotImplementedError
 
@@ -168,7 +176,7 @@ class EngineCoreClient:
     async def get_output_async(self) -> EngineCoreOutputs:
         raise NotImplementedError
 
-    async def call_utility_async(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+    async def call_utility_async(self, method: str, *args: object, timeout: float = 60.0) -> Any:
         raise NotImplementedError
 
     async def get_stats_async(self) -> SchedulerStats:
@@ -204,7 +212,7 @@ class InprocClient(EngineCoreClient):
     def has_requests(self) -> bool:
         return self.engine_core.has_requests()
 
-    def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+    def call_utility(self, method: str, *args: object, timeout: float = 60.0) -> Any:
         if method.startswith("_") or not callable(getattr(self.engine_core, method, None)):
             raise ValueError(f"unknown utility method {method!r}")
         return getattr(self.engine_core, method)(*args)
@@ -263,7 +271,34 @@ class _LoopQueue:
         return item
 
 
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+@dataclass
+class _Add:
+    request: EngineCoreRequest
+    accepted: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+    status: RequestStatus
+
+
+@dataclass
+class _Utility:
+    method: str
+    args: tuple[object, ...]
+    result: asyncio.Future[object]
+
+
+class _Stop:
+    pass
+
+
+# What the event loop asks of the engine thread, in order.
+_Command = _Add | _Abort | _Utility | _Stop
+
+
+def _settle(future: asyncio.Future[Any], result: object, error: BaseException | None) -> None:
     if future.done():  # the caller was cancelled while it waited
         return
     if error is None:
@@ -290,7 +325,7 @@ class AsyncInprocClient(EngineCoreClient):
         self.client = client
         self.ready = client.ready
         self._shutdown_client = shutdown_client
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._outputs = _LoopQueue()
         self._requests: set[str] = set()  # added through this client and not finished (engine thread only)
         self._stats = client.scheduler_stats
@@ -317,7 +352,7 @@ class AsyncInprocClient(EngineCoreClient):
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Queue the abort (returns at once); it runs before any command queued after it."""
         if request_ids and not self.is_dead:
-            self._commands.put(("abort", list(request_ids), status))
+            self._commands.put(_Abort(list(request_ids), status))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort the requests this client added, stop the engine thread after its current step, and shut the
@@ -325,7 +360,7 @@ class AsyncInprocClient(EngineCoreClient):
         if self._stopped:
             return
         self._stopped = True
-        self._commands.put(("stop",))
+        self._commands.put(_Stop())
         if self.engine_thread is not threading.current_thread():
             self.engine_thread.join(timeout)
         self._fail_queued(EngineDeadError("the engine was shut down"))
@@ -339,8 +374,8 @@ class AsyncInprocClient(EngineCoreClient):
                 the other requests). EngineDeadError: the engine has stopped.
         """
         self._check_alive()
-        future = asyncio.get_running_loop().create_future()
-        self._commands.put(("add", request, future))
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._commands.put(_Add(request, future))
         if self.is_dead:  # stopped while we queued: nobody will take the command
             self._fail_queued(EngineDeadError(self._dead or "the engine was shut down"))
         await future
@@ -348,10 +383,10 @@ class AsyncInprocClient(EngineCoreClient):
     async def get_output_async(self) -> EngineCoreOutputs:
         return await self._outputs.get()
 
-    async def call_utility_async(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+    async def call_utility_async(self, method: str, *args: object, timeout: float = 60.0) -> Any:
         self._check_alive()
-        future = asyncio.get_running_loop().create_future()
-        self._commands.put(("utility", method, args, future))
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._commands.put(_Utility(method, args, future))
         return await asyncio.wait_for(future, timeout)
 
     # -- the engine thread -----------------------------------------------------------------------------------------
@@ -367,7 +402,7 @@ class AsyncInprocClient(EngineCoreClient):
                     except queue.Empty:
                         break
                 for command in commands:
-                    if command[0] == "stop":
+                    if isinstance(command, _Stop):
                         self._stop()
                         return
                     self._handle(command)
@@ -387,10 +422,9 @@ class AsyncInprocClient(EngineCoreClient):
             self._fail_queued(EngineDeadError(self._dead))
             self._outputs.put(EngineDeadError(self._dead))
 
-    def _handle(self, command: tuple[Any, ...]) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request, future = command
+    def _handle(self, command: _Add | _Abort | _Utility) -> None:
+        if isinstance(command, _Add):
+            request, future = command.request, command.accepted
             try:
                 self.client.add_request(request)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop the others share
@@ -407,20 +441,18 @@ class AsyncInprocClient(EngineCoreClient):
             if not self._reply(future, None, None):  # the caller's loop is gone: nobody reads this request
                 self._requests.discard(request.request_id)
                 self.client.abort_requests([request.request_id])
-        elif kind == "abort":
-            _, request_ids, status = command
-            self._requests.difference_update(request_ids)
-            self.client.abort_requests(request_ids, status)
-        elif kind == "utility":
-            _, method, args, future = command
+        elif isinstance(command, _Abort):
+            self._requests.difference_update(command.request_ids)
+            self.client.abort_requests(command.request_ids, command.status)
+        else:
             try:
-                result, error = self.client.call_utility(method, *args), None
+                result, error = self.client.call_utility(command.method, *command.args), None
             except Exception as e:  # noqa: BLE001 - the caller gets the error, the core goes on
                 result, error = None, e
-            self._reply(future, result, error)
+            self._reply(command.result, result, error)
 
     @staticmethod
-    def _reply(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> bool:
+    def _reply(future: asyncio.Future[Any], result: object, error: BaseException | None) -> bool:
         try:
             future.get_loop().call_soon_threadsafe(_settle, future, result, error)
             return True
@@ -444,8 +476,10 @@ class AsyncInprocClient(EngineCoreClient):
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] in ("add", "utility"):
-                self._reply(command[-1], None, error)
+            if isinstance(command, _Add):
+                self._reply(command.accepted, None, error)
+            elif isinstance(command, _Utility):
+                self._reply(command.result, None, error)
 
 
 class _BackgroundResources:
@@ -512,12 +546,13 @@ class MPClient(EngineCoreClient):
 
         from minillm.engine.core import run_engine_core
 
+        self._init_outputs()
         self.resources = _BackgroundResources()
         self._finalizer = weakref.finalize(self, self.resources)
         self.encoder = MsgpackEncoder()
         self._dead: str | None = None
         self._call_ids = itertools.count()
-        self._utility_futures: dict[int, Future[Any]] = {}
+        self._utility_futures: dict[int, Future[object]] = {}
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()  # added, and neither finished (as far as get_output told) nor aborted
 
@@ -638,6 +673,10 @@ class MPClient(EngineCoreClient):
             self._stats = outputs.scheduler_stats
         self._deliver(outputs)
 
+    def _init_outputs(self) -> None:
+        """Make where :meth:`_deliver` puts the outputs (before the output thread starts)."""
+        raise NotImplementedError
+
     def _deliver(self, item: EngineCoreOutputs | BaseException) -> None:
         raise NotImplementedError
 
@@ -675,15 +714,15 @@ class MPClient(EngineCoreClient):
     def has_requests(self) -> bool:
         return bool(self._in_flight)
 
-    def _call_utility_future(self, method: str, args: tuple[Any, ...]) -> Future[Any]:
-        future: Future[Any] = Future()
+    def _call_utility_future(self, method: str, args: tuple[object, ...]) -> Future[object]:
+        future: Future[object] = Future()
         call_id = next(self._call_ids)
         with self._lock:
             self._utility_futures[call_id] = future
         self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
         return future
 
-    def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+    def call_utility(self, method: str, *args: object, timeout: float = 60.0) -> Any:
         """Call ``method(*args)`` on the engine core (one of its public methods) and return its result, converted
         back into the method's declared return type (vLLM's ``UtilityResult`` carries the type instead)."""
         return msgspec.convert(self._call_utility_future(method, args).result(timeout), utility_result_type(method))
@@ -692,9 +731,8 @@ class MPClient(EngineCoreClient):
 class SyncMPClient(MPClient):
     """The blocking client: ``get_output()`` waits for the core's next message (``LLM``, ``bench``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def _init_outputs(self) -> None:
         self.outputs_queue: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
-        super().__init__(*args, **kwargs)
 
     def _deliver(self, item: EngineCoreOutputs | BaseException) -> None:
         self.outputs_queue.put_nowait(item)
@@ -714,9 +752,8 @@ class AsyncMPClient(MPClient):
     """The asyncio client (``AsyncLLM``, ``serve``): ``await get_output_async()``; sending never blocks. Outputs go
     to the event loop that first awaits them (those that come earlier are kept for it)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def _init_outputs(self) -> None:
         self._outputs = _LoopQueue()
-        super().__init__(*args, **kwargs)
 
     def _deliver(self, item: EngineCoreOutputs | BaseException) -> None:
         self._outputs.put(item)
@@ -728,7 +765,7 @@ class AsyncMPClient(MPClient):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self.add_request(request)
 
-    async def call_utility_async(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+    async def call_utility_async(self, method: str, *args: object, timeout: float = 60.0) -> Any:
         future = self._call_utility_future(method, args)
         result = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         return msgspec.convert(result, utility_result_type(method))

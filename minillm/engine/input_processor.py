@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,8 +18,11 @@ from minillm.config import LlamaConfig
 from minillm.engine import EngineCoreRequest
 from minillm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": ...} / {"prompt_token_ids": ...}).
-PromptType = str | Sequence[int] | Mapping[str, Any] | torch.Tensor
+PromptType = str | Sequence[int] | Mapping[str, object] | torch.Tensor
 
 
 def short_repr(value: object, limit: int = 80) -> str:
@@ -39,8 +42,8 @@ class InputProcessor:
         speculative: speculative decoding is on (which refuses ``logprobs``).
     """
 
-    def __init__(self, tokenizer: Any, model_config: LlamaConfig, max_model_len: int, eos_token_id: int | None,
-                 speculative: bool = False) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, model_config: LlamaConfig, max_model_len: int,
+                 eos_token_id: int | None, speculative: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -76,7 +79,7 @@ class InputProcessor:
                                     time.time() if arrival_time is None else float(arrival_time), priority)
         return request, prompt_text
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: object) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: give the prompt as a list of token ids")
@@ -85,7 +88,8 @@ class InputProcessor:
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                return text if isinstance(text, str) else None, self._check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self._tokenize(prompt["prompt"])
             raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
@@ -95,7 +99,7 @@ class InputProcessor:
                          f"{short_repr(prompt)}")
 
     def _check_token_ids(self, given: object) -> list[int]:
-        ids: list[Any] | None
+        ids: list[object] | None
         if isinstance(given, torch.Tensor):
             ids = given.tolist() if given.dim() == 1 else None
         elif isinstance(given, (list, tuple)):
@@ -109,7 +113,7 @@ class InputProcessor:
         if bad:
             raise ValueError(f"token ids must be integers in [0, {vocab}) (the vocabulary), got "
                              f"{short_repr(bad[:5])}")
-        return ids
+        return [t for t in ids if isinstance(t, int)]  # every one of them, checked above
 
     def _check_params(self, params: SamplingParams | dict[str, Any] | None, prompt_len: int) -> SamplingParams:
         if params is None:

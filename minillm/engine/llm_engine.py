@@ -14,7 +14,7 @@ vLLM counterpart: ``vllm/v1/engine/llm_engine.py`` (``LLMEngine.__init__`` with 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from minillm.config import LlamaConfig
 from minillm.core.kv_cache_manager import KVCacheManager
@@ -35,6 +35,9 @@ from minillm.model.llama_tp import TensorParallelLlamaForCausalLM
 from minillm.request import RequestStatus
 from minillm.sampling_params import SamplingParams
 from minillm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["LLMEngine", "PromptType", "short_repr"]
 
@@ -59,7 +62,8 @@ class LLMEngine:
         RuntimeError: the engine-core process failed to start (its error is in the message).
     """
 
-    def __init__(self, model: LlamaForCausalLM | None, tokenizer: Any = None, engine_args: EngineArgs | None = None,
+    def __init__(self, model: LlamaForCausalLM | None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 engine_args: EngineArgs | None = None,
                  parts: EngineParts | None = None, multiprocess_mode: bool = False) -> None:
         args = engine_args if engine_args is not None else EngineArgs()
         if not isinstance(args, EngineArgs):
@@ -77,7 +81,7 @@ class LLMEngine:
         self.engine_args = args
         self.tokenizer = tokenizer
         self.multiprocess_mode = multiprocess_mode
-        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
         self.engine_core = EngineCoreClient.make_client(multiprocess_mode, asyncio_mode=False, engine_args=args,
                                                         model=model, parts=parts, eos_token_id=eos)
         ready = self.engine_core.ready
@@ -174,7 +178,7 @@ class LLMEngine:
         num_free: int = self.engine_core.call_utility("get_num_free_blocks")
         return num_free
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.tokenizer
 
     # -- requests in ------------------------------------------------------------------------------------------------

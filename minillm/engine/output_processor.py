@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from minillm.core.sched.output import EngineCoreOutput
 from minillm.engine.detokenizer import IncrementalDetokenizer
 from minillm.engine.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -51,7 +54,7 @@ class RequestState:
 
     @classmethod
     def new(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            tokenizer: Any) -> "RequestState":
+            tokenizer: PreTrainedTokenizerBase | None) -> RequestState:
         detok = IncrementalDetokenizer(tokenizer, params) if tokenizer is not None else None
         stops = params.stop or []
         buffer = 0 if (params.include_stop_str_in_output or not stops) else max(len(s) for s in stops) - 1
@@ -67,7 +70,7 @@ class OutputProcessor:
         tokenizer: a Hugging Face tokenizer, or ``None`` (then ``text`` stays empty and stop strings are refused).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
 
@@ -113,8 +116,9 @@ class OutputProcessor:
             state.num_cached_tokens = eco.num_cached_tokens
             finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
             state.token_ids.extend(new_ids)
-            if logprobs is not None and state.logprobs is not None and eco.request_id in logprobs:
-                for token_id, entry in zip(new_ids, logprobs[eco.request_id]):
+            if (logprobs is not None and state.logprobs is not None and state.cumulative_logprob is not None
+                    and eco.request_id in logprobs):
+                for token_id, entry in zip(new_ids, logprobs[eco.request_id], strict=False):
                     state.logprobs.append(entry)
                     state.cumulative_logprob += entry[token_id]
             full_text = ""

@@ -46,35 +46,52 @@ learner's functions reach the engine without editing it and without monkey-patch
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypedDict
 
-from minillm.core.kv_cache_manager import allocate_new_blocks, free_request_blocks, num_cached_prefix_tokens
-from minillm.core.kv_cache_utils import hash_request_tokens
+import torch
+
+from minillm.core.block_pool import BlockPool
+from minillm.core.kv_cache_manager import KVCacheFns, allocate_new_blocks, free_request_blocks, num_cached_prefix_tokens
+from minillm.core.kv_cache_utils import BlockHash, KVCacheBlock, hash_request_tokens
 from minillm.core.sched.scheduler import Scheduler
 from minillm.core.sched.utils import check_stop
+from minillm.request import Request
 from minillm.sample.ops.topk_topp import apply_top_k_top_p
-from minillm.worker.model_runner import prepare_inputs
-
+from minillm.worker.model_runner import BatchInputs, prepare_inputs
 
 # The parts in the order the engine meets them in a step: what capstone reports list, and which failure is "first".
 PART_NAMES = ("attention", "allocate_slots", "block_hashes", "num_cached_tokens", "free", "scheduler_cls",
               "top_k_top_p", "check_stop", "prepare_inputs")
 
 
+class SchedulerFns(KVCacheFns, total=False):
+    """The scheduler's keyword arguments: its stop check, and what it passes on to its KV cache manager."""
+
+    check_stop_fn: Callable[[Request, int], bool]
+
+
+class ModelRunnerFns(TypedDict):
+    """The model runner's replaceable functions."""
+
+    attention_fn: Callable[..., torch.Tensor] | None
+    top_k_top_p: Callable[..., torch.Tensor]
+    prepare_inputs_fn: Callable[..., BatchInputs]
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineParts:
     """The engine's replaceable parts (see the module docstring for each signature). Defaults: the package's own."""
 
-    attention: Callable[..., Any] | None = None
-    allocate_slots: Callable[..., Any] = allocate_new_blocks
-    block_hashes: Callable[..., Any] = hash_request_tokens
-    num_cached_tokens: Callable[..., Any] = num_cached_prefix_tokens
-    free: Callable[..., Any] = free_request_blocks
-    scheduler_cls: type = Scheduler
-    top_k_top_p: Callable[..., Any] = apply_top_k_top_p
-    check_stop: Callable[..., Any] = check_stop
-    prepare_inputs: Callable[..., Any] = prepare_inputs
+    attention: Callable[..., torch.Tensor] | None = None
+    allocate_slots: Callable[..., list[KVCacheBlock] | None] = allocate_new_blocks
+    block_hashes: Callable[[Sequence[int], int], list[BlockHash]] = hash_request_tokens
+    num_cached_tokens: Callable[..., int] = num_cached_prefix_tokens
+    free: Callable[[BlockPool, Sequence[KVCacheBlock]], None] = free_request_blocks
+    scheduler_cls: type[Scheduler] = Scheduler
+    top_k_top_p: Callable[..., torch.Tensor] = apply_top_k_top_p
+    check_stop: Callable[[Request, int], bool] = check_stop
+    prepare_inputs: Callable[..., BatchInputs] = prepare_inputs
 
     def __post_init__(self) -> None:
         for name in PART_NAMES:
@@ -93,18 +110,18 @@ class EngineParts:
         default = EngineParts()
         return [n for n in PART_NAMES if getattr(self, n) is not getattr(default, n)]
 
-    def kv_cache_fns(self) -> dict[str, Callable[..., Any]]:
+    def kv_cache_fns(self) -> KVCacheFns:
         """The KV cache manager's functions, as :class:`~minillm.core.kv_cache_manager.KVCacheManager` takes them."""
-        return {"allocate_fn": self.allocate_slots, "block_hashes_fn": self.block_hashes,
-                "num_cached_tokens_fn": self.num_cached_tokens, "free_fn": self.free}
+        return KVCacheFns(allocate_fn=self.allocate_slots, block_hashes_fn=self.block_hashes,
+                          num_cached_tokens_fn=self.num_cached_tokens, free_fn=self.free)
 
-    def scheduler_fns(self) -> dict[str, Callable[..., Any]]:
+    def scheduler_fns(self) -> SchedulerFns:
         """The scheduler's keyword arguments: its stop check, and the functions it passes on to its KV cache
         manager."""
-        return {"check_stop_fn": self.check_stop, **self.kv_cache_fns()}
+        return SchedulerFns(check_stop_fn=self.check_stop, **self.kv_cache_fns())
 
-    def model_runner_fns(self) -> dict[str, Callable[..., Any] | None]:
+    def model_runner_fns(self) -> ModelRunnerFns:
         """The model runner's keyword arguments: attention (``None``: the configured backend), the sampler's
         top-k/top-p filter and the input build."""
-        return {"attention_fn": self.attention, "top_k_top_p": self.top_k_top_p,
-                "prepare_inputs_fn": self.prepare_inputs}
+        return ModelRunnerFns(attention_fn=self.attention, top_k_top_p=self.top_k_top_p,
+                              prepare_inputs_fn=self.prepare_inputs)

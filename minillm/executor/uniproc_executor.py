@@ -20,10 +20,10 @@ here the step itself must leave the caller's thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, Literal, overload
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.executor.abstract import Executor
@@ -41,10 +41,9 @@ class UniProcExecutor(Executor):
 
     def __init__(self, worker: Worker, model_thread: ThreadPoolExecutor | None = None) -> None:
         self.driver_worker = worker
-        self._thread: ThreadPoolExecutor | None = model_thread
-        self._always_on_thread = model_thread is not None
-        # (start, end) of each step's execution, time.monotonic(), while the engine core records a timeline.
-        self.timeline: list[tuple[float, float]] | None = None
+        self._model_thread = model_thread  # every call runs there
+        self._thread: ThreadPoolExecutor | None = None  # started for the first non-blocking step without one
+        self.timeline = None
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.timeline is None:
@@ -59,10 +58,18 @@ class UniProcExecutor(Executor):
     def supports_async_scheduling(cls) -> bool:
         return True
 
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        if self._always_on_thread:
-            future = self._thread.submit(self._execute, scheduler_output)
+        if self._model_thread is not None:
+            future = self._model_thread.submit(self._execute, scheduler_output)
             return future if non_block else future.result()
         if not non_block:
             return self._execute(scheduler_output)
@@ -70,14 +77,15 @@ class UniProcExecutor(Executor):
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-executor")
         return self._thread.submit(self._execute, scheduler_output)
 
-    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
-                       kwargs: dict | None = None) -> list[Any]:
+    def collective_rpc(self, method: str | Callable[..., object], args: tuple[object, ...] = (),
+                       kwargs: Mapping[str, object] | None = None) -> list[Any]:
         fn = getattr(self.driver_worker, method) if isinstance(method, str) else partial(method, self.driver_worker)
-        if self._always_on_thread:
-            return [self._thread.submit(fn, *args, **(kwargs or {})).result()]
+        if self._model_thread is not None:
+            return [self._model_thread.submit(fn, *args, **(kwargs or {})).result()]
         return [fn(*args, **(kwargs or {}))]
 
     def shutdown(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+        for thread in (self._thread, self._model_thread):
+            if thread is not None:
+                thread.shutdown(wait=True)
+        self._thread = self._model_thread = None

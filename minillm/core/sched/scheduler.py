@@ -43,14 +43,20 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Unpack
 
 from minillm.config import SchedulerConfig
-from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.core.kv_cache_manager import KVCacheFns, KVCacheManager
 from minillm.core.kv_cache_utils import KVCacheBlock
-from minillm.core.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                       SchedulerOutput)
+from minillm.core.sched.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from minillm.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from minillm.core.sched.utils import check_stop
 from minillm.request import Request, RequestStatus
@@ -116,7 +122,7 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, block_size: int = 16,
                  enable_prefix_caching: bool = True, *,
                  check_stop_fn: Callable[[Request, int], bool] = check_stop,
-                 **kv_cache_fns: Callable[..., object]) -> None:
+                 **kv_cache_fns: Unpack[KVCacheFns]) -> None:
         if not isinstance(scheduler_config, SchedulerConfig):
             raise ValueError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         self.scheduler_config = scheduler_config
@@ -254,7 +260,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             scheduled_spec_decode_tokens=dict(step.scheduled_spec_decode_tokens),
         )
-        for new_data, request in zip(scheduler_output.scheduled_new_reqs, step.scheduled_new_reqs):
+        for new_data, request in zip(scheduler_output.scheduled_new_reqs, step.scheduled_new_reqs, strict=True):
             new_data.num_external_computed_tokens = step.num_external_computed_tokens.get(request.request_id, 0)
         if self.connector is not None:
             scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(scheduler_output)
@@ -500,10 +506,8 @@ class Scheduler:
         """The requests that ``scheduler_output`` scheduled, taken off the steps in flight; ``None`` for a plan of 0
         tokens or one :meth:`schedule` did not return. Steps planned before it that were never updated from
         (abandoned after an error) are forgotten, and their tokens no longer count as in flight."""
-        for i, (plan, _) in enumerate(self._steps_in_flight):
-            if plan is scheduler_output:
-                break
-        else:
+        i = next((k for k, (plan, _) in enumerate(self._steps_in_flight) if plan is scheduler_output), None)
+        if i is None:
             return None
         for _ in range(i):
             plan, abandoned = self._steps_in_flight.popleft()
@@ -573,7 +577,7 @@ class Scheduler:
         return affected
 
     def _handle_invalid_blocks(self, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int],
-                               rewritten: set[int] = frozenset()) -> set[str]:
+                               rewritten: AbstractSet[int] = frozenset()) -> set[str]:
         """A load failed to fill ``invalid_block_ids``: the running requests that count one of them as computed
         recompute it (vLLM v0.33.0's ``_update_requests_with_invalid_blocks``, for synchronous loads).
 
@@ -635,7 +639,7 @@ class Scheduler:
         drafts = model_runner_output.draft_token_ids
         if drafts is None:
             return
-        for rid, draft in zip(model_runner_output.req_ids, drafts):
+        for rid, draft in zip(model_runner_output.req_ids, drafts, strict=False):
             request = self.requests.get(rid)
             if request is None or request.is_finished() or request.num_computed_tokens < request.num_tokens - 1:
                 continue

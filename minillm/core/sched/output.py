@@ -12,14 +12,11 @@ encoder inputs, LoRA and structured-output fields, left out here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from minillm.distributed.kv_transfer.base import KVConnectorMetadata
 from minillm.engine import EngineCoreOutput  # noqa: F401  (the scheduler's per-request result; a wire type)
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from minillm.distributed.kv_transfer.base import KVConnectorMetadata
 
 
 @dataclass

@@ -1,22 +1,13 @@
-"""Which KV cache blocks each request owns: the scheduler's only view of GPU memory.
+"""Which KV cache blocks each request owns: the scheduler's only view of the device's memory.
 
-The scheduler asks two questions per request and step:
+The scheduler asks :meth:`KVCacheManager.get_computed_blocks` how much of a new prompt is cached (the longest run of
+full blocks whose hash chain matches, never the last prompt token, whose forward pass gives the first output's
+logits) and :meth:`KVCacheManager.allocate_slots` for room for a step's tokens (``None``: the pool is too small, so
+it stops admitting or preempts). Blocks that become full are cached at once; :meth:`KVCacheManager.free` returns a
+request's blocks tail first.
 
-- :meth:`KVCacheManager.get_computed_blocks` (a new request only): how much of the prompt is already in the cache?
-  The answer is the longest run of *full* blocks whose hash chain matches, capped below the prompt length: the
-  last prompt token is always recomputed, because its forward pass produces the logits of the first output token.
-  (Once the request is admitted, the scheduler counts the lookup in the hit statistics:
-  :meth:`KVCacheManager.record_prefix_cache_stats`.)
-- :meth:`KVCacheManager.allocate_slots`: give this request room for ``num_new_tokens`` more tokens (plus, the first
-  time, the cache hits found above), or say ``None`` if the pool is too small, so the scheduler can stop admitting
-  requests or preempt one.
-
-Blocks that become full are registered in the prefix cache immediately (their K/V is written in the same step,
-before any later step can read them). :meth:`free` returns a request's blocks tail first.
-
-vLLM counterpart: ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager``) together with
-``single_type_kv_cache_manager.py`` (``FullAttentionManager``); vLLM also handles sliding-window and other
-attention types, several KV cache groups, speculative lookahead slots and KV transfer between instances.
+vLLM counterpart: ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager``) with ``single_type_kv_cache_manager.py``
+(``FullAttentionManager``); vLLM adds sliding-window and other attention types and several KV cache groups.
 """
 from __future__ import annotations
 

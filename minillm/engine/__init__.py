@@ -1,22 +1,14 @@
 """The messages between the engine's front end (``LLMEngine``, ``AsyncLLM``) and its engine core.
 
-The front end runs in the caller's process: it tokenizes and checks requests (``InputProcessor``) and detokenizes
-outputs (``OutputProcessor``). The engine core (scheduler + model, :mod:`minillm.engine.core`) runs in a process of
-its own by default, so everything below crosses a process boundary: each type is a ``msgspec.Struct``, encoded as
-msgpack (``array_like``: a list of field values, no field names on the wire) by :mod:`minillm.serial_utils`.
-
-========================  ===============================  ==========================================
-message                   direction                        what
-========================  ===============================  ==========================================
-:class:`EngineCoreRequest`  front end -> core (``ADD``)    one checked, tokenized request
-request ids               front end -> core (``ABORT``)    stop these requests, free their blocks
-``(call_id, name, args)``  front end -> core (``UTILITY``)  call a method of the core, answer below
-:class:`EngineCoreOutputs`  core -> front end              one step's new tokens, per request; stats
-========================  ===============================  ==========================================
+The engine core runs in a process of its own by default, so every type here is a ``msgspec.Struct`` (or a typed
+dict), encoded as msgpack by :mod:`minillm.serial_utils`; ``array_like`` structs travel as lists of field values.
+The front end sends :class:`EngineCoreRequest` (``ADD``), request ids (``ABORT``) and ``(call_id, method, args)``
+(``UTILITY``); the core answers with :class:`EngineCoreOutputs`: a step's new tokens and :class:`SchedulerStats`, or
+a :class:`UtilityOutput`. Its first message is the handshake, :class:`EngineCoreReady`.
 
 vLLM counterpart: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput``,
 ``EngineCoreOutputs``, ``EngineCoreRequestType``, ``UtilityOutput``) and ``vllm/v1/metrics/stats.py``
-(``SchedulerStats``). vLLM's carry more (multimodal inputs, LoRA, structured output, events, pooling outputs).
+(``SchedulerStats``).
 """
 from __future__ import annotations
 

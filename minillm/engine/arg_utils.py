@@ -1,18 +1,13 @@
 """The engine's arguments in one dataclass: the model, the KV cache size, the scheduler's limits, the backend.
 
-Every knob a user may turn when creating an :class:`~minillm.engine.llm_engine.LLMEngine` (or an
-:class:`~minillm.entrypoints.llm.LLM`, or ``python -m minillm serve``) lives here, with vLLM's names, and is checked
-before anything heavy happens. The ``resolved_*`` methods fill in the defaults that depend on the model and the
-device (``max_model_len``, the number of KV blocks, the attention backend).
+Every knob of an ``LLMEngine``, ``AsyncLLM``, ``LLM`` or ``python -m minillm serve`` lives here under vLLM's name and
+is checked before anything heavy happens; the ``resolved_*`` and ``create_*`` methods give what depends on the model
+and the device. Differences from vLLM: ``num_gpu_blocks`` is vLLM's ``num_gpu_blocks_override``;
+``kv_cache_memory_fraction`` is a fraction of the device's free memory for the KV cache alone (vLLM's
+``gpu_memory_utilization`` covers weights and activations too); ``dtype`` defaults to fp32 on a CPU (vLLM:
+``"auto"``), what the lessons compare with transformers in.
 
-vLLM counterpart: ``vllm/engine/arg_utils.py`` (``EngineArgs``, ``EngineArgs.create_engine_config``), which spreads
-the same values over ``ModelConfig``, ``CacheConfig`` and ``SchedulerConfig``. vLLM spells our ``num_gpu_blocks``
-``num_gpu_blocks_override`` and sizes the cache by default from ``gpu_memory_utilization`` (a fraction of the GPU
-for weights, activations *and* cache); ``kv_cache_memory_fraction`` here is the fraction of the device's free memory
-given to the KV cache alone, which is simpler to reason about on a CPU. vLLM's ``dtype`` defaults to ``"auto"``
-(``vllm/config/model.py:_get_and_verify_dtype``); ours defaults to fp32 on a CPU, what the lessons compare against
-transformers in, and ``"auto"`` (bf16 where the CPU multiplies it natively) is asked for: ``python -m minillm serve``
-and ``bench`` ask for it unless given ``--dtype``.
+vLLM counterpart: ``vllm/engine/arg_utils.py`` (``EngineArgs``, ``EngineArgs.create_engine_config``).
 """
 from __future__ import annotations
 

@@ -1,35 +1,15 @@
-"""The engine core: the scheduler and the executor, stepping. In-process, or in a process of its own.
+"""The engine core: the scheduler and the executor, stepping. In this process, or in a process of its own.
 
-:class:`EngineCore` holds what a step needs and nothing of the caller's: the scheduler (with the KV cache manager),
-the executor (with the model runner, the model and the paged KV cache) and the KV connector's two halves. Its input
-is a checked, tokenized :class:`~minillm.engine.EngineCoreRequest`; its output, per step, an
-:class:`~minillm.engine.EngineCoreOutputs` of new token ids. Tokenizing, detokenizing and stop strings stay in the
-caller's process (``LLMEngine``, ``AsyncLLM``).
+:class:`EngineCore` takes checked, tokenized requests and gives, per step, the new token ids of each request;
+tokenizing, detokenizing and stop strings stay with the front end. :meth:`EngineCore.step` schedules, executes and
+updates in turn; :meth:`EngineCore.step_with_batch_queue` (async scheduling) plans step N+1 and hands it to the
+executor before it waits for step N. :class:`EngineCoreProc` is the same core in its own process: a busy loop on the
+main thread, an input and an output thread for the two ZeroMQ sockets, a handshake first, Ctrl-C ignored (the client
+handles it), and an exit when its parent dies or a step fails (the client hears ``EngineDeadError``).
 
-Two ways to step:
-
-* :meth:`EngineCore.step`, synchronous: schedule, execute, update from the output. The model waits while the CPU
-  schedules, and the scheduler waits while the model runs.
-* :meth:`EngineCore.step_with_batch_queue`, async scheduling: a queue of up to two steps in flight. It schedules
-  step N+1 and hands it to the executor (which runs steps in order on its own thread) *before* it waits for step
-  N's output; the :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` counts step N's tokens as
-  placeholders meanwhile. The executor's thread is the CPU's stand-in: on a GPU, vLLM's runner launches step N+1's
-  kernels behind step N's in stream order, keeps the sampled ids on the GPU and copies them to the host on a side
-  stream. Which of the two runs is a configuration choice (``EngineArgs.async_scheduling``: off on a CPU, as in
-  vLLM v0.33.0), in this process or in its own.
-
-:class:`EngineCoreProc` is the same core in its own process: a **busy loop** on the main thread (take the client's
-messages, step while there is work, sleep on the input queue when there is none), an **input thread** that receives
-and decodes the client's messages (ZeroMQ ``PULL``), and an **output thread** that encodes and sends outputs
-(``PUSH``), so neither socket ever holds up a step. It starts with a handshake (its first message says it is ready,
-with the facts the client needs, or why it failed), ignores Ctrl-C (the client handles it: the core must survive to
-serve the next call), exits when its parent dies (a pipe it watches closes), and on an error in a step tells the
-client (``EngineDeadError``) and exits.
-
-vLLM counterpart: ``vllm/v1/engine/core.py`` (``EngineCore.step``, ``step_with_batch_queue``,
-``EngineCoreProc.run_engine_core``, ``run_busy_loop``, ``_process_input_queue``, ``_process_engine_step``,
-``process_input_sockets``, ``process_output_sockets``, ``_send_engine_dead``). vLLM adds data parallelism,
-pipeline parallelism, structured output, multimodal encoders, KV events and sleep mode.
+vLLM counterpart: ``vllm/v1/engine/core.py`` (``EngineCore.step``, ``step_with_batch_queue``, ``EngineCoreProc``:
+``run_busy_loop``, ``process_input_sockets``, ``process_output_sockets``); vLLM adds data and pipeline parallelism,
+structured output, KV events and sleep mode.
 """
 from __future__ import annotations
 

@@ -1,23 +1,15 @@
 """How a front end talks to the engine core: one client class per way of reaching it, one interface.
 
-=======================  =============================  ====================================================
-client                   front end                      the engine core
-=======================  =============================  ====================================================
-:class:`InprocClient`    ``LLMEngine(model, ...)``      an :class:`~minillm.engine.core.EngineCore` here;
-                                                        ``get_output()`` steps it
-:class:`SyncMPClient`    ``LLM``, ``bench``             an ``EngineCoreProc`` process; ``get_output()`` waits
-:class:`AsyncMPClient`   ``AsyncLLM``, ``serve``        the same process; ``await get_output_async()``
-:class:`AsyncInprocClient`  ``AsyncLLM`` in-process     a synchronous client, stepped by one engine thread
-=======================  =============================  ====================================================
-
-The multiprocess clients start the core with ``spawn`` (a ``fork``-ed child of a process whose OpenMP threads ran
-hangs in its first matmul), talk over two ZeroMQ IPC sockets, fail every waiter with
-:class:`~minillm.engine.EngineDeadError` when the process dies, and stop it when they are collected.
+:class:`InprocClient` (``LLMEngine(model, ...)``) calls an :class:`~minillm.engine.core.EngineCore` in this process
+and steps it in ``get_output()``; :class:`SyncMPClient` (``LLM``) and :class:`AsyncMPClient` (``AsyncLLM``, ``serve``)
+talk to an ``EngineCoreProc`` over two ZeroMQ IPC sockets; :class:`AsyncInprocClient` gives a synchronous client the
+asyncio interface, one engine thread making every call. The multiprocess clients start the core with ``spawn`` (a
+``fork``-ed child of a process whose OpenMP threads ran hangs in its first matmul), fail every waiter with
+:class:`~minillm.engine.EngineDeadError` when it dies, and stop it when they are collected.
 
 vLLM counterpart: ``vllm/v1/engine/core_client.py`` (``EngineCoreClient.make_client``, ``InprocClient``,
-``MPClient``, ``SyncMPClient``, ``AsyncMPClient``). vLLM has no ``AsyncInprocClient``: its ``AsyncLLM`` always runs
-the core in its own process; and its ``AsyncMPClient`` reads the socket on the event loop, where here one output
-thread serves both MP clients.
+``MPClient``, ``SyncMPClient``, ``AsyncMPClient``). vLLM has no asyncio client in-process (its ``AsyncLLM`` always
+runs the core in its own process) and reads the socket on the event loop, where one output thread serves here.
 """
 from __future__ import annotations
 

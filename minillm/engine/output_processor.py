@@ -1,16 +1,9 @@
-"""From the scheduler's token ids to what a user sees: text, streaming deltas, stop strings, finish reasons.
+"""From the core's token ids to what a user sees: text, streaming deltas, stop strings, finish reasons.
 
-After each step the scheduler reports, per request, the token ids it appended and whether ``check_stop`` ended the
-request (EOS, a stop token id, ``max_tokens``, ``max_model_len``). This module turns those into
-:class:`~minillm.engine.outputs.RequestOutput` objects:
-
-1. detokenize incrementally (:class:`~minillm.engine.detokenizer.IncrementalDetokenizer`) and look for stop
-   *strings*, which only the text can reveal; a request that hits one must be aborted in the scheduler, so its id is
-   returned in ``reqs_to_abort``;
-2. release text for streaming, but hold back the last ``len(longest stop string) - 1`` characters while the request
-   runs: they might turn out to be the start of a stop string, and text already streamed cannot be taken back. So
-   the concatenation of every ``delta_text`` equals the final ``text``, always (by construction: ``text`` *is* that
-   concatenation).
+Each step's :class:`~minillm.engine.EngineCoreOutput` s are detokenized incrementally; a stop *string* (only the
+text reveals it) finishes its request, whose id comes back in ``reqs_to_abort`` for the core to free. While a request
+runs, the last ``len(longest stop string) - 1`` characters are held back, since they may begin a stop string and
+streamed text cannot be taken back: so every ``delta_text`` joined is the final ``text``.
 
 vLLM counterpart: ``vllm/v1/engine/output_processor.py`` (``OutputProcessor``, ``RequestState``) and
 ``vllm/v1/engine/detokenizer.py`` (``get_next_output_text`` with its ``stop_buffer_length``).

@@ -1,47 +1,14 @@
-"""The engine's replaceable parts: the one seam through which chapter 8 runs a learner's own code as the engine.
+"""The engine's replaceable parts: the one seam through which a learner's own functions run as the engine.
 
-Every field of :class:`EngineParts` is a function (or, for the scheduler, a class) that the engine calls at one
-place, with the signature of the exercise that asks a learner to write it. The defaults are the package's own
-implementations, so ``LLMEngine(model, tokenizer, args)`` and ``LLMEngine(model, tokenizer, args,
-parts=EngineParts())`` are the same engine. Replace any subset:
+Each field of :class:`EngineParts` is a function (for the scheduler, a class) the engine calls at one place, with
+the signature its field's type and the piece that calls it give: attention, the KV cache manager's four functions,
+the scheduler class, top-k/top-p, the stop check and ``prepare_inputs``. The defaults are the package's own; they
+are handed down as plain arguments (:meth:`EngineParts.scheduler_fns`, :meth:`EngineParts.model_runner_fns`), so
+the scheduler and the runner never import the engine. A function as ``attention`` is called once per request and
+layer over its gathered paged K/V: slow, but it is the learner's attention that runs.
 
->>> parts = EngineParts(check_stop=my_check_stop, scheduler_cls=MyScheduler)   # doctest: +SKIP
->>> engine = LLMEngine(model, tokenizer, EngineArgs(...), parts=parts)        # doctest: +SKIP
-
-==================  ================  ================================================  =============================
-field               exercise          signature                                         called by
-==================  ================  ================================================  =============================
-``attention``       1.2               ``(q, k, v, ctx_len) -> out``                     the model runner's attention
-                                                                                        (per request, over its
-                                                                                        gathered paged K/V)
-``allocate_slots``  2.2               ``(pool, req_blocks, num_computed_tokens,         ``KVCacheManager.
-                                      num_new_tokens, block_size) -> blocks | None``    allocate_slots``
-``block_hashes``    2.3               ``(token_ids, block_size) -> [hash]``             ``KVCacheManager`` (prefix
-                                                                                        cache keys)
-``num_cached_tokens``  2.4            ``(block_hashes, num_tokens, block_size,          ``KVCacheManager.
-                                      cached_hashes) -> int``                           get_computed_blocks``
-``free``            2.5               ``(pool, req_blocks) -> None``                    ``KVCacheManager.free``
-``scheduler_cls``   4.1-4.3           a :class:`Scheduler` subclass                     ``LLMEngine`` builds it
-``top_k_top_p``     5.1               ``(logits, k, p) -> logits``                      ``Sampler`` (random rows)
-``check_stop``      5.3               ``(request, max_model_len) -> bool``              ``Scheduler.
-                                                                                        update_from_output``
-``prepare_inputs``  6.1               ``(scheduler_output, requests, block_size,        ``ModelRunner.
-                                      device) -> BatchInputs``                          _prepare_inputs``
-==================  ================  ================================================  =============================
-
-``attention=None`` (the default) keeps the engine's configured backend (the vectorized
-:class:`~minillm.attention.torch_sdpa.TorchSDPAAttention` on a CPU, the Triton kernels on a GPU); a function there
-makes the runner attend request by request through
-:func:`~minillm.attention.paged.paged_attention_torch`, calling it once per request and layer. Slow, but it is the
-learner's attention that runs.
-
-The engine hands each part down to the piece that calls it as a plain function argument (:meth:`EngineParts.
-scheduler_fns`, :meth:`EngineParts.model_runner_fns`): the scheduler, the KV cache manager and the model runner
-never import the engine.
-
-vLLM has no single object like this: its parts are chosen by configuration (``--attention-backend``,
-``scheduler_cls`` in ``vllm/config/scheduler.py:SchedulerConfig``) and by class registries. The seam exists so a
-learner's functions reach the engine without editing it and without monkey-patching.
+vLLM has no such object: its parts are chosen by configuration (``--attention-backend``, ``scheduler_cls`` in
+``vllm/config/scheduler.py:SchedulerConfig``) and class registries.
 """
 from __future__ import annotations
 

@@ -1,36 +1,16 @@
-"""Worker processes, one per rank, that run every call together: the executor of tensor parallelism inside the
-engine, and of chapters 7 and 9's jobs.
+"""Worker processes, one per rank, that run every call together: tensor parallelism inside the engine, and the
+distributed jobs of the course.
 
-:class:`MultiprocExecutor` starts ``world_size`` processes (``spawn``). Each joins one gloo group
-(``torch.distributed``), builds its worker (``worker_cls``: the engine's :class:`~minillm.worker.worker.Worker`, with
-its shard of the model and the paged KV cache of its KV heads; or chapters 7 and 9's
-:class:`~minillm.distributed.jobs.JobWorker`, with full models) and then waits for work:
+:class:`MultiprocExecutor` starts ``world_size`` processes (``spawn``) that join one gloo group and build a worker
+each (``worker_cls(rank=r, tp_group=g, **worker_kwargs)``). A call is published once on a ZeroMQ ``XPUB`` socket
+(which sees every rank subscribe, so nothing is sent before all listen) and answered on one ``PULL`` socket; a step
+runs on every rank and only rank 0 answers. A failed or dead rank fails every call, named (a peer's broken
+collective is a symptom: the rank that failed first is waited for up to 2 s); a monitor thread watches the
+processes and the deadlines. vLLM broadcasts through a shared-memory ring buffer on one node
+(``vllm/distributed/device_communicators/shm_broadcast.py:MessageQueue``), which saves a copy per rank.
 
-- :meth:`MultiprocExecutor.collective_rpc` publishes one call **once**: a worker method's name, or a module-level
-  function that each rank runs as ``fn(worker, *args, **kwargs)``; every rank runs it, and every rank answers, or only
-  ``unique_reply_rank``;
-- :meth:`MultiprocExecutor.execute_model` is the engine's step: every rank runs the same
-  :class:`SchedulerOutput` (the all-reduces inside the forward pass keep them in lockstep) and only rank 0
-  (:attr:`MultiprocExecutor.output_rank`) answers with its :class:`ModelRunnerOutput`;
-- a rank that fails answers with its error, and the executor fails every call with it, naming the rank. A peer's
-  broken collective is only a symptom: the executor waits up to 2 s for the rank that failed by itself, or died,
-  and names that one. A monitor thread watches the processes and every call's deadline. The first failure ends
-  the ranks, and every later call raises it again (``error_cls``: the engine passes
-  :class:`~minillm.engine.EngineDeadError`).
-
-The broadcast is a ZeroMQ ``XPUB`` socket (``ipc://``) that every rank subscribes to: one send reaches every rank,
-and the ``XPUB`` side sees each rank's subscription arrive, so nothing is published before every rank listens
-(plain pub/sub would drop the first messages of a slow joiner). Answers come back on one ``PULL`` socket. vLLM uses a
-shared-memory ring buffer for the ranks on its own node and a ZeroMQ ``XPUB`` socket for ranks on other nodes
-(``vllm/distributed/device_communicators/shm_broadcast.py:MessageQueue``); a ring buffer saves a copy per rank,
-which matters for a GPU's microsecond steps, not for a CPU step of tens of milliseconds. The messages are pickled,
-as ``MessageQueue`` pickles them: they go only to this executor's own child processes, over sockets only they can
-open. The workers' arguments (the model) go once through a pipe, their tensors as shared memory.
-
-vLLM counterpart: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``: ``collective_rpc`` with a
-method name or a callable and ``unique_reply_rank``, ``execute_model``, ``output_rank``, ``check_health``, the
-worker monitor, ``WorkerProc`` and its busy loop), and ``vllm/v1/serial_utils.py:run_method`` (a callable runs as
-``fn(worker, *args, **kwargs)``).
+vLLM counterpart: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``: ``collective_rpc``,
+``execute_model``, ``output_rank``, ``check_health``; ``WorkerProc``) and ``vllm/v1/serial_utils.py:run_method``.
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """One worker, in the engine core's process: the executor of a single-device engine.
 
-Synchronous steps call the model runner on the caller's thread. With ``non_block=True`` (async scheduling) a step
-runs on the executor's one thread, so the engine core's thread can schedule the next step meanwhile; one thread
-keeps the steps in order, which async scheduling relies on (step N+1 reads the token step N sampled). PyTorch
-releases the GIL inside its kernels, so the two threads do overlap.
+A blocking step runs on the caller's thread; a non-blocking one (async scheduling) on the executor's one thread, which
+keeps steps in order (step N+1 reads the token step N sampled) while the core plans the next. Given ``model_thread``
+(the engine-core process gives the thread that loaded the model), every call runs there: a second thread running
+ops brings a second OpenMP team onto the same cores.
 
-Given ``model_thread`` (the engine-core process does), every step runs there, blocking or not: the thread that
-loaded the model and allocated the KV cache. Every thread that runs PyTorch ops gets an OpenMP team of its own,
-and two teams on the same cores slow each other down (each spins while it waits for work): measured on 2 cores, a
-SmolLM2 decode step took 1.4-1.7x as long on a second thread as on the thread that had loaded the model.
-
-The thread is the CPU's stand-in for what overlaps steps on a GPU. vLLM v0.33.0's
-``vllm/v1/executor/uniproc_executor.py:UniProcExecutor`` has no thread: ``collective_rpc`` runs the worker's method
-inline, and with ``non_block=True`` wraps the runner's ``AsyncModelRunnerOutput`` in an ``AsyncOutputFuture`` whose
-``result()`` waits for the device-to-host copy. The runner only *launches* the GPU's work and returns, so the busy
-loop can plan step N+1 while the GPU still runs step N in stream order. A CPU runner computes while it is called, so
-here the step itself must leave the caller's thread.
+vLLM counterpart: ``vllm/v1/executor/uniproc_executor.py:UniProcExecutor``, which has no thread: its GPU runner only
+launches the step's kernels and returns, and ``non_block`` waits on the device-to-host copy instead.
 """
 from __future__ import annotations
 

@@ -1,48 +1,16 @@
-"""The model runner: one :class:`SchedulerOutput` in, one forward pass over every scheduled token, one token out per
-request.
+"""The model runner: one :class:`SchedulerOutput` in, one forward pass over every scheduled token, tokens out.
 
-Each step it
-
-1. updates its own copy of the requests (:class:`CachedRequestState`) and the **persistent batch**
-   (:class:`~minillm.worker.input_batch.InputBatch`, per-slot buffers of tokens, context lengths and block-table
-   rows) from the step's diffs alone: drops finished ones, adds new ones, appends new blocks, and resets resumed
-   ones (preempted earlier, recomputed from scratch now). Nothing else crosses from the scheduler, so the
-   ``SchedulerOutput`` may come from another process;
-2. builds one **flat batch** (:class:`BatchInputs`) from all scheduled tokens of all requests, prefill chunks and
-   decodes together: ``input_ids`` and ``positions`` ``[num_tokens]``; per request ``query_start_loc``,
-   ``seq_lens`` and a ``block_table`` row; per token the ``slot_mapping`` where its K/V goes; and
-   ``logits_indices``, the last scheduled token of each request. :func:`prepare_inputs` builds it from the request
-   states (exercise 6.1); the runner gathers the same batch from the persistent buffers with one fancy-indexing
-   pass, unless a learner's ``prepare_inputs`` is plugged in (chapter 8);
-3. runs the model once over the batch, with attention through the paged KV cache (backend ``"torch"``:
-   :class:`~minillm.attention.torch_sdpa.TorchSDPAAttention`; ``"triton"``: the chapter-3 kernels through
-   :class:`~minillm.attention.paged.PagedAttention`);
-4. computes logits at ``logits_indices`` for **every** scheduled request and samples them all in one
-   :class:`~minillm.sample.sampler.Sampler` call (``sampled_token_ids`` int32 ``[num_reqs, 1]``), then discards the
-   token of each request still mid-prefill (``discard_request_mask``: its next token is already known, it is its own
-   prompt) and appends the others to their requests. A seeded request's generator is rewound after a discarded
-   draw, so chunking the prompt does not change what it samples later;
-5. with a KV connector (chapter 9): before the forward pass its worker side loads the K/V the scheduler counted as
-   computed (``start_load_kv``), every attention layer waits for its loads and saves its K/V
-   (:class:`~minillm.distributed.kv_transfer.kv_transfer_utils.KVConnectorAttention`), and after it the saves are
-   submitted (``wait_for_save``) and finished transfers reported back (``KVConnectorOutput``);
-6. with speculative decoding (``speculative_config``): a request's scheduled tokens end with its draft tokens, the
-   logits of its last ``drafts + 1`` rows go to the :class:`~minillm.sample.rejection_sampler.RejectionSampler`,
-   which keeps the drafts the model agrees with and adds one token of its own; then the
-   :class:`~minillm.spec_decode.ngram_proposer.NgramProposer` drafts the next step's tokens.
+Each step it updates its requests (:class:`CachedRequestState`) and the persistent batch from the plan's diffs alone
+(``_update_states``), builds one flat batch of every scheduled token (:class:`BatchInputs`: ``input_ids``,
+``positions``, ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``, ``logits_indices``), runs the
+model once through the paged KV cache, samples every request and discards the rows of those still mid-prefill
+(``discard_request_mask``; a seeded generator is rewound after such a draw). With drafts the
+:class:`~minillm.sample.rejection_sampler.RejectionSampler` verifies them and an n-gram proposer drafts the next
+ones; with a KV connector its worker side loads and saves K/V around the forward pass.
 
 vLLM counterpart: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``: ``_update_states``,
-``_prepare_inputs``, ``execute_model``) with ``vllm/v1/worker/gpu_input_batch.py`` (``CachedRequestState``,
-``InputBatch``) and ``vllm/v1/worker/block_table.py``. The discarded rows are vLLM v0.33.0's: its V1 runner sets
-``discard_request_mask`` where ``seq_len < num_tokens`` (``vllm/v1/worker/gpu_model_runner.py:
-GPUModelRunner._prepare_inputs``), samples every request, then in ``GPUModelRunner._bookkeeping_sync`` clears those
-rows' tokens and rewinds each one's seeded generator (``gen.set_offset(gen.get_offset() - 4)``). Model Runner V2
-(``vllm/v1/worker/gpu/``) also samples every request (``vllm/v1/worker/gpu/sample/sampler.py:Sampler.__call__``) and
-sets ``num_sampled`` to 0 where ``seq_len < prefill_len`` (``vllm/v1/worker/gpu/input_batch.py:
-get_num_sampled_and_rejected``); its seeded noise is a hash of (seed, position) (``gpu/sample/gumbel.py``), so
-there is no generator to rewind. vLLM's persistent buffers are pinned CPU tensors copied to the GPU each step, and
-it adds CUDA graphs, ``torch.compile``, draft-model and EAGLE speculative decoding, LoRA, multimodal inputs and
-pipeline/tensor parallelism.
+``_prepare_inputs``, ``execute_model``, ``_bookkeeping_sync``, which clears the discarded rows); Model Runner V2
+(``vllm/v1/worker/gpu/``) seeds its noise by position and has no generator to rewind.
 """
 from __future__ import annotations
 

@@ -1,26 +1,14 @@
 """One rank of the engine: its shard of the model, its share of the paged KV cache, and the model runner that steps
 them.
 
-With one rank (:class:`~minillm.executor.uniproc_executor.UniProcExecutor`) the worker holds the whole model. With
-tensor parallelism (:class:`~minillm.executor.multiproc_executor.MultiprocExecutor`, one process per rank) rank
-``r`` holds chapter 9's shard (:class:`~minillm.model.llama_tp.TensorParallelLlamaForCausalLM`: its query heads,
-the KV heads they read, its slice of the MLP and of the vocabulary) and its paged KV cache stores only those KV
-heads: ``[num_blocks, block_size, num_kv_heads / tp_size, head_dim]`` per layer (one replicated head when ranks
-outnumber KV heads, as vLLM does).
-
-Every rank runs every step on the same :class:`~minillm.core.sched.output.SchedulerOutput`: one scheduler, one
-block table, the same slot mapping everywhere, because a block id names the same tokens on every rank, only fewer
-heads of them. A KV connector's worker side runs on every rank too, each moving its own KV heads
-(:meth:`~minillm.distributed.kv_transfer.base.KVConnectorBase_V1.bind_tensor_parallel`). The logits are
-all-gathered, so every rank holds all of them and samples with the same seeds: each
-rank's persistent batch appends the same token without anyone sending it. Only rank 0's
-:class:`~minillm.core.sched.output.ModelRunnerOutput` goes back to the engine core.
+With one rank the worker holds the whole model; with tensor parallelism rank ``r`` holds its shard
+(:class:`~minillm.model.llama_tp.TensorParallelLlamaForCausalLM`) and caches only its KV heads. Every rank runs every
+step on the same plan (a block id names the same tokens everywhere), all-gathers the logits and samples with the
+same seeds, so each appends the same token unprompted; only rank 0's output returns. vLLM sizes each GPU's cache from
+its free memory and takes the minimum over the ranks; here every rank has the same budget.
 
 vLLM counterpart: ``vllm/v1/worker/gpu_worker.py:Worker`` (``init_device``, ``load_model``,
-``determine_available_memory``, ``execute_model``) around its ``GPUModelRunner``; every TP rank samples
-(``LogitsProcessor._gather_logits`` all-gathers the logits) and ``MultiprocExecutor.output_rank`` names the one
-whose output returns. vLLM sizes the KV cache from each GPU's free memory and takes the minimum over the ranks;
-here every rank has the same budget, so every rank gets the same number of blocks.
+``determine_available_memory``, ``execute_model``).
 """
 from __future__ import annotations
 

@@ -1,43 +1,16 @@
 """The scheduler: each step, decide which requests run and how many tokens each computes.
 
-There is no prefill phase and no decode phase. A request has ``num_tokens`` (prompt + outputs so far) and
-``num_computed_tokens`` (tokens whose K/V are in the cache); each step it needs ``num_tokens - num_computed_tokens``
-more. A new prompt needs hundreds, a decode needs one, a resumed request needs its prompt *and* its outputs again.
-One step, in this order:
-
-1. **RUNNING requests first**, in queue order. Each gets ``min(what it needs, long_prefill_token_threshold, the
-   budget left)`` tokens and KV slots for them. When the KV cache cannot hold them, a running request is
-   preempted by recompute (FCFS: the last one; priority: the one with the largest ``(priority, arrival_time)``):
-   its blocks are freed, ``num_computed_tokens`` goes back to 0 and it returns to the front of the waiting queue.
-   This repeats until the allocation fits or the request has preempted itself.
-2. **WAITING requests next**, only if nothing was preempted in this step, in policy order (FCFS queue or priority
-   heap), while the budget, the seats (``max_num_seqs``) and the KV cache last. A prefix-cache hit skips the
-   cached part; a prompt that does not fit the budget left is chunked (or, with chunked prefill off, admission
-   stops).
-3. ``num_computed_tokens`` advances right away by what was scheduled, so the next step can schedule the next chunk.
-
-With speculative decoding a running request also carries ``spec_token_ids``, drafts of its next tokens: it asks
-for ``num_tokens_with_spec - num_computed_tokens`` tokens (its last sampled token plus the drafts), and after the
-step ``num_computed_tokens`` is moved back by the number of drafts the model rejected (their K/V slots are simply
-overwritten later).
-
-The budget ``max_num_batched_tokens`` covers *all* tokens of the step, including those of requests admitted from
-the waiting queue in this very step: they are moved to RUNNING and run in this step's forward pass.
-
-With a KV connector (chapter 9, :mod:`minillm.distributed.kv_transfer`) a waiting request's computed tokens are
-its prefix-cache hit *plus* what the connector can load from another engine
-(``connector.get_num_new_matched_tokens``): both count as computed, so a decode engine that receives a prompt's K/V
-schedules only its last token. A request whose K/V has not arrived yet stays waiting while others are admitted. A
-finished request whose K/V is still being sent keeps its blocks until the connector reports the send done.
+There is no prefill or decode phase: a request needs ``num_tokens - num_computed_tokens`` more tokens. One step
+serves the RUNNING requests first (each up to ``long_prefill_token_threshold`` and the budget left, preempting by
+recompute when the KV cache is short), then, if nothing was preempted, admits WAITING ones in policy order while the
+budget, the seats and the cache last; ``num_computed_tokens`` advances at once. The budget counts the requests
+admitted in this very step. Drafts (speculative decoding) are scheduled with their request and the rejected ones
+rolled back; with a KV connector a waiting request counts the tokens it can load from another engine as computed.
 
 vLLM counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``, ``_preempt_request``,
-``update_from_output``, ``update_draft_token_ids``, ``finish_requests``, ``reset_prefix_cache``, and for KV transfer
-``_free_request``, ``_update_from_kv_xfer_finished``, ``_handle_failed_recving``, ``_handle_invalid_blocks``). vLLM
-adds multimodal encoder budgets, LoRA, structured output, asynchronous KV loads (``WAITING_FOR_REMOTE_KVS``) and
-pipeline parallelism. With async scheduling (v0.33.0's default on a GPU; off on a CPU, in vLLM and here, unless asked)
-the subclass :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` plans step N+1 while step N runs; the
-placeholder terms below (``num_output_placeholders``) are 0 without it, and a request moved back while a step is in
-flight for it (a preemption, a failed KV load) has that step's output dropped as stale when it comes back.
+``update_from_output``, ``finish_requests``, ``_update_from_kv_xfer_finished``); vLLM adds encoder budgets, LoRA,
+structured output and asynchronous KV loads. :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` is the
+async-scheduling subclass.
 """
 from __future__ import annotations
 

@@ -186,6 +186,7 @@ def measure_ipc(model: LlamaForCausalLM, tokenizer: Any, workload: Workload,
             outputs = engine.engine_core.get_output()  # in-process and synchronous: exactly one step
             step_s = time.perf_counter() - start
             plan = engine.last_scheduler_output
+            assert plan is not None  # the step just taken planned it
             mirror.apply_plan(plan)
             full = mirror.full_plan(plan)
             mirror.apply_outputs(outputs)

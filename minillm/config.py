@@ -167,3 +167,58 @@ class KVTransferConfig:
         if "kv_connector" not in value:
             raise ValueError("kv_transfer_config needs 'kv_connector' (a connector class name)")
         return cls(**value)
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup: each step a decoding request proposes drafts that the model verifies.
+
+    Attributes:
+        method: ``"ngram"`` (drafts found by looking the sequence's last n-gram up earlier in it).
+        num_speculative_tokens: the most drafts a request proposes per step.
+        prompt_lookup_max / prompt_lookup_min: the longest and shortest n-gram looked up.
+
+    vLLM counterpart: ``vllm/config/speculative.py:SpeculativeConfig`` (same field names; vLLM adds draft models,
+    EAGLE and MTP, and defaults both lookup lengths to 5 when neither is given).
+    """
+
+    method: str
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_any(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """A config from itself, a dict of its fields, or their JSON text (vLLM's ``--speculative-config``)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config must be a dict or its JSON text, got {value!r} ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig, a dict or None, got {value!r}")
+        allowed = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        if "method" not in value:
+            raise ValueError(f"speculative_config needs 'method', one of {SPECULATIVE_METHODS}")
+        return cls(**value)

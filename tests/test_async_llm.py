@@ -1,23 +1,33 @@
-"""AsyncLLM: one engine thread serving many asyncio consumers (a fake engine that follows LLMEngine's contract).
+"""AsyncLLM: one event loop serving many consumers, over a fake engine core that follows EngineCore's contract and
+is stepped by AsyncInprocClient's engine thread; and over the tiny model in both modes.
 
 What is checked: outputs reach the right consumer in order and their deltas add up to the final text; requests
-added while others run join the running batch (continuous batching); only the engine thread ever calls the engine;
-the engine's ValueErrors reach the caller; a consumer that stops listening (break, cancel, cancel while waiting to
-be accepted) has its request aborted and its blocks freed; an engine failure reaches every waiter and later callers;
-shutdown ends the streams.
+added while others run join the running batch (continuous batching); only the engine thread ever calls the core;
+ValueErrors reach the caller; a consumer that stops listening (break, cancel, cancel while waiting to be accepted)
+has its request aborted and its blocks freed; an engine failure reaches every waiter and later callers; shutdown
+ends the streams; AsyncLLM is LLMEngine's sibling (it holds no LLMEngine) and gives LLMEngine's tokens in-process and
+with the core in its own process; ``build_app`` serves an ``LLMEngine``'s core and leaves the engine usable.
 """
 import asyncio
 import gc
+import os
 import threading
 import time
 
 import pytest
 
+from minillm.config import LlamaConfig
+from minillm.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, EngineStats,
+                            SchedulerStats)
+from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.async_llm import AsyncLLM, EngineDeadError
-from minillm.engine.outputs import CompletionOutput, RequestOutput
+from minillm.engine.core_client import AsyncInprocClient, InprocClient
+from minillm.request import RequestStatus
 from minillm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
+VOCAB = 1000  # prompts use ids below it; the fake core's words get ids above it
+MAX_MODEL_LEN = 4096
 
 
 class FakeKVCacheManager:
@@ -34,15 +44,28 @@ class FakeKVCacheManager:
         return sum(self.held.values()) / (self.num_blocks - 1)
 
 
-class FakeEngine:
-    """Generates the words ``"<request_id>:<k> "``, one per step, holding ceil(tokens / 4) blocks per request."""
+class FakeTokenizer:
+    """Decodes the fake core's token ids into its words."""
+
+    eos_token_id = None
+
+    def __init__(self, vocab: dict[int, str] | None = None) -> None:
+        self.vocab = vocab if vocab is not None else {}
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(self.vocab.get(i, "") for i in ids)
+
+
+class FakeEngineCore:
+    """What ``InprocClient`` calls on an ``EngineCore``. Generates the words ``"<request_id>:<k> "``, one token per
+    step, holding ceil(tokens / 4) blocks per request; each word's token id is new, and ``vocab`` maps it back."""
 
     def __init__(self, num_blocks: int = 257, step_delay: float = 0.002, add_delay: float = 0.0,
                  fail_at_step: int | None = None) -> None:
         self.kv_cache_manager = FakeKVCacheManager(num_blocks)
-        self.tokenizer = None
-        self.max_model_len = 4096
         self.step_delay, self.add_delay, self.fail_at_step = step_delay, add_delay, fail_at_step
+        self.vocab: dict[int, str] = {}
+        self.stats = EngineStats()
         self.requests: dict[str, dict] = {}
         self.callers: set[int] = set()
         self.log: list[tuple[str, str]] = []
@@ -55,53 +78,77 @@ class FakeEngine:
         r = self.requests[rid]
         self.kv_cache_manager.held[rid] = -(-(r["prompt_len"] + len(r["tokens"])) // BLOCK_SIZE)
 
-    def add_request(self, request_id, prompt, params, priority=0):
+    def ready_message(self) -> EngineCoreReady:
+        return EngineCoreReady(pid=os.getpid(), num_gpu_blocks=self.kv_cache_manager.num_blocks,
+                               max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, async_scheduling=False,
+                               attention_backend="fake", dtype="float32",
+                               model_config=LlamaConfig(vocab_size=VOCAB, max_position_embeddings=MAX_MODEL_LEN))
+
+    def add_request(self, request: EngineCoreRequest) -> None:
         self._touch()
         time.sleep(self.add_delay)
-        if not prompt:
-            raise ValueError("the prompt is empty; give at least one token")
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
-        self.requests[request_id] = {"prompt_len": len(prompt), "params": params, "tokens": [], "text": ""}
-        self._hold(request_id)
-        self.log.append(("add", request_id))
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
+        self.stats.num_requests += 1
+        self.requests[rid] = {"prompt_len": len(request.prompt_token_ids), "params": request.sampling_params,
+                              "tokens": []}
+        self._hold(rid)
+        self.log.append(("add", rid))
 
-    def abort_request(self, request_ids):
+    def abort_requests(self, request_ids, status=RequestStatus.FINISHED_ABORTED) -> None:
         self._touch()
         for rid in request_ids:
             self.log.append(("abort", rid))
             if self.requests.pop(rid, None) is not None:
                 del self.kv_cache_manager.held[rid]
 
-    def has_unfinished_requests(self):
+    def has_requests(self) -> bool:
         self._touch()
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self):
-        self._touch()
-        return len(self.requests)
-
-    def step(self):
+    def step_fn(self) -> tuple[EngineCoreOutputs, bool]:
         self._touch()
         if self.fail_at_step is not None and len(self.batch_sizes) == self.fail_at_step:
             raise RuntimeError("boom: the fake model crashed")
         time.sleep(self.step_delay)
         self.batch_sizes.append(len(self.requests))
+        self.stats.num_steps += 1
         outputs = []
         for rid, r in list(self.requests.items()):
-            word = f"{rid}:{len(r['tokens'])} "
-            r["tokens"].append(len(r["tokens"]))
-            r["text"] += word
+            token = VOCAB + len(self.vocab)
+            self.vocab[token] = f"{rid}:{len(r['tokens'])} "
+            r["tokens"].append(token)
             finished = len(r["tokens"]) >= r["params"].max_tokens
-            outputs.append(RequestOutput(rid, None, [1] * r["prompt_len"], [CompletionOutput(
-                0, r["text"], list(r["tokens"]), "length" if finished else None, None, word, [r["tokens"][-1]])],
-                finished))
+            outputs.append(EngineCoreOutput(rid, [token], finish_reason="length" if finished else None))
             if finished:
                 del self.requests[rid]
                 del self.kv_cache_manager.held[rid]
             else:
                 self._hold(rid)
-        return outputs
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats()), True
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(num_running_reqs=len(self.requests), num_blocks=kv.num_blocks,
+                              num_free_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage, engine=self.stats)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.make_stats()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def fake_async_llm(core: FakeEngineCore | None = None, tokenizer: FakeTokenizer | None = None,
+                   **core_args) -> tuple[AsyncLLM, FakeEngineCore]:
+    """An AsyncLLM whose engine thread steps a fake core."""
+    core = core if core is not None else FakeEngineCore(**core_args)
+    tokenizer = tokenizer if tokenizer is not None else FakeTokenizer()
+    tokenizer.vocab = core.vocab
+    llm = AsyncLLM.from_engine_core(AsyncInprocClient(InprocClient(core)), tokenizer,
+                                    EngineArgs(block_size=BLOCK_SIZE, device="cpu"))
+    return llm, core
 
 
 def expected_text(rid: str, n: int) -> str:
@@ -119,9 +166,8 @@ async def wait_for(predicate, timeout: float = 10.0) -> None:
 def make_llm():
     made = []
 
-    def make(**kwargs) -> tuple[AsyncLLM, FakeEngine]:
-        engine = FakeEngine(**kwargs)
-        llm = AsyncLLM(engine)
+    def make(**kwargs) -> tuple[AsyncLLM, FakeEngineCore]:
+        llm, engine = fake_async_llm(**kwargs)
         made.append(llm)
         return llm, engine
 
@@ -159,8 +205,8 @@ def test_concurrent_requests_share_steps_and_get_their_own_outputs(make_llm):
     texts = asyncio.run(main())
     assert texts == [expected_text(f"q{i}", 10 + i) for i in range(20)]
     assert max(engine.batch_sizes) > 1  # continuous batching: several requests in one step
-    # Only the engine thread ever touched the engine (it is not thread-safe).
-    assert engine.callers == {llm._thread.ident}
+    # Only the engine thread ever touched the core (it is not thread-safe).
+    assert engine.callers == {llm.engine_core.engine_thread.ident}
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks - 1
 
 
@@ -299,16 +345,15 @@ def test_a_stream_dropped_before_it_starts_aborts_its_request(make_llm):
 
 
 def test_background_server_serves_a_fake_engine_and_stops_its_loop():
-    """BackgroundServer (for notebooks): port 0 picks a free port; stopping it stops the engine loop thread,
-    after which the engine may be used directly again."""
+    """BackgroundServer (for notebooks): port 0 picks a free port; stopping it stops the engine thread (the app owns
+    this AsyncLLM), which alone called the core."""
     import httpx
 
     from minillm.entrypoints.openai.api_server import BackgroundServer
 
-    engine = FakeEngine(step_delay=0.0)
-    with BackgroundServer(engine, served_model_name="fake-model") as server:
+    llm, engine = fake_async_llm(step_delay=0.0)
+    with BackgroundServer(llm, served_model_name="fake-model", owns_engine=True) as server:
         assert server.port != 0
-        llm = server.app.state.engine_client
         r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, timeout=30)
         assert r.status_code == 200, r.text
         body = r.json()
@@ -317,9 +362,8 @@ def test_background_server_serves_a_fake_engine_and_stops_its_loop():
         rid = body["id"]
         assert body["choices"][0]["text"] == expected_text(rid, 3)
         assert httpx.get(server.url + "/health").status_code == 200
-    assert not llm.is_running and engine.callers == {llm._thread.ident}
-    engine.add_request("direct", [1], SamplingParams(max_tokens=1))
-    assert engine.step()[0].finished
+    assert not llm.is_running and not llm.engine_core.engine_thread.is_alive()
+    assert engine.callers == {llm.engine_core.engine_thread.ident}
 
 
 def test_an_engine_failure_mid_stream_is_reported_in_the_stream_then_503():
@@ -329,7 +373,8 @@ def test_an_engine_failure_mid_stream_is_reported_in_the_stream_then_503():
 
     from minillm.entrypoints.openai.api_server import BackgroundServer
 
-    with BackgroundServer(FakeEngine(step_delay=0.0, fail_at_step=2), served_model_name="fake") as server:
+    llm, _ = fake_async_llm(step_delay=0.0, fail_at_step=2)
+    with BackgroundServer(llm, served_model_name="fake", owns_engine=True) as server:
         body = {"prompt": [5, 6], "max_tokens": 10, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200  # the failure comes after the headers were sent
@@ -340,3 +385,91 @@ def test_an_engine_failure_mid_stream_is_reported_in_the_stream_then_503():
         r = httpx.post(server.url + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         assert httpx.get(server.url + "/health").status_code == 503
+
+
+# -- the tiny model --------------------------------------------------------------------------------------------------
+TINY_ARGS = dict(block_size=4, num_gpu_blocks=64, max_model_len=64, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_reference():
+    """LLMEngine's greedy tokens on the tiny model, the oracle for AsyncLLM in both modes."""
+    from minillm.engine.llm_engine import LLMEngine
+    from tests.engine_helpers import tiny_model
+
+    model = tiny_model()
+    engine = LLMEngine(model, None, EngineArgs(**TINY_ARGS))
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(1, 6 + 3 * i)), SamplingParams.greedy(max_tokens=6))
+    tokens = {}
+    while engine.has_requests():
+        tokens.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return model, tokens
+
+
+@pytest.mark.parametrize("multiprocess_mode", [False, True], ids=["in-process", "engine-core process"])
+def test_async_llm_is_llm_engines_sibling_and_gives_its_tokens(tiny_reference, multiprocess_mode):
+    """AsyncLLM holds its own front end and client, never an LLMEngine, in both modes, and streams what LLMEngine
+    computes; its stats are the core's (a utility call, SchedulerStats in both modes)."""
+    from minillm.engine.core_client import AsyncMPClient
+    from minillm.engine.input_processor import InputProcessor
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.engine.output_processor import OutputProcessor
+
+    model, reference = tiny_reference
+    llm = AsyncLLM(model, None, EngineArgs(**TINY_ARGS), multiprocess_mode=multiprocess_mode)
+    try:
+        assert not any(isinstance(v, LLMEngine) for v in vars(llm).values())
+        assert not hasattr(llm, "engine")
+        assert isinstance(llm.input_processor, InputProcessor) and isinstance(llm.output_processor, OutputProcessor)
+        assert isinstance(llm.engine_core, AsyncMPClient if multiprocess_mode else AsyncInprocClient)
+        assert llm.engine_core.ready["num_gpu_blocks"] == 64 and llm.max_model_len == 64
+
+        async def one(i: int) -> tuple[str, list[int]]:
+            await asyncio.sleep(0.01 * i)  # staggered: later requests join running steps
+            async for out in llm.generate(f"r{i}", list(range(1, 6 + 3 * i)), SamplingParams.greedy(max_tokens=6)):
+                final = out
+            return final.request_id, final.outputs[0].token_ids
+
+        async def main():
+            got = dict(await asyncio.gather(*(one(i) for i in range(3))))
+            return got, await llm.get_stats(), await llm.engine_core.call_utility_async("get_stats")
+
+        tokens, stats, sched = asyncio.run(main())
+        assert tokens == reference
+        assert isinstance(sched, SchedulerStats) and sched.engine.num_requests == 3
+        assert stats.num_finished == 3 and stats.num_unfinished_requests == 0 and stats.num_free_blocks == 63
+    finally:
+        llm.shutdown()
+    assert not llm.is_running
+
+
+@pytest.mark.parametrize("multiprocess_mode", [False, True], ids=["in-process", "engine-core process"])
+def test_build_app_serves_an_llm_engines_core_and_leaves_the_engine_usable(tiny_reference, multiprocess_mode):
+    """``BackgroundServer(engine)``: an AsyncLLM of its own in front of the engine's core (an InprocClient, or the
+    SyncMPClient of an engine whose core has its own process), driven by an engine thread until the server stops;
+    then the engine steps as before."""
+    import httpx
+
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.entrypoints.openai.api_server import BackgroundServer
+
+    model, reference = tiny_reference
+    engine = LLMEngine(model, None, EngineArgs(**TINY_ARGS), multiprocess_mode=multiprocess_mode)
+    try:
+        with BackgroundServer(engine, served_model_name="tiny") as server:
+            llm = server.app.state.engine_client
+            assert llm.engine_core.client is engine.engine_core and llm.output_processor is not engine.output_processor
+            r = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"prompt": list(range(1, 6)), "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 6
+        assert not llm.is_running and not llm.engine_core.engine_thread.is_alive()
+        engine.add_request("r0", list(range(1, 6)), SamplingParams.greedy(max_tokens=6))
+        outs = []
+        while engine.has_requests():
+            outs += engine.step()
+        assert outs[-1].outputs[0].token_ids == reference["r0"]
+        assert engine.get_num_free_blocks() == 63
+    finally:
+        engine.shutdown()

@@ -53,9 +53,9 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-def mp_engine(async_scheduling: bool | None = True, asyncio_mode: bool = False, **args) -> LLMEngine:
+def mp_engine(async_scheduling: bool | None = True, **args) -> LLMEngine:
     return LLMEngine(tiny_model(), None, EngineArgs(async_scheduling=async_scheduling, **(args or ARGS)),
-                     multiprocess_mode=True, asyncio_mode=asyncio_mode)
+                     multiprocess_mode=True)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +82,7 @@ def test_sync_mp_client_gives_the_in_process_tokens(reference, async_scheduling)
 
 
 def test_async_llm_over_the_async_mp_client_gives_the_in_process_tokens(reference):
-    engine = mp_engine(asyncio_mode=True)
-    llm = AsyncLLM(engine)
+    llm = AsyncLLM(tiny_model(), None, EngineArgs(async_scheduling=True, **ARGS), multiprocess_mode=True)
     requests = workload(seed=7, seeded_sampling=True)
 
     async def one(arrival, rid, prompt, params, priority):
@@ -101,7 +100,7 @@ def test_async_llm_over_the_async_mp_client_gives_the_in_process_tokens(referenc
         assert llm.stats.num_finished == len(requests) and llm.stats.num_unfinished_requests == 0
     finally:
         llm.shutdown()
-    assert wait_gone(engine.engine_core.proc.pid)
+    assert wait_gone(llm.engine_core.proc.pid)
 
 
 def test_a_killed_core_gives_engine_dead_error_within_5_seconds():
@@ -219,12 +218,11 @@ def test_a_bad_request_is_refused_here_and_never_reaches_the_core():
                                         ("text", None, "this engine has no tokenizer")]:
             with pytest.raises(ValueError, match=message):
                 engine.add_request("bad", prompt, params)
-        stats = engine.engine_core.call_utility("get_stats")
-        assert stats["engine"].get("num_requests", 0) == 0
+        assert engine.engine_core.call_utility("get_stats").engine.num_requests == 0
         engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
         while engine.has_requests():
             engine.step()
-        assert engine.engine_core.call_utility("get_stats")["engine"]["num_requests"] == 1
+        assert engine.engine_core.get_stats().engine.num_requests == 1
     finally:
         engine.shutdown()
 

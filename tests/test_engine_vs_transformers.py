@@ -186,16 +186,19 @@ def serve_through_the_core_process(model, tokenizer, prompts, per_step, asyncio_
     """:func:`serve` with the engine core in its own process: ``SyncMPClient`` stepped here, or ``AsyncMPClient``
     under ``AsyncLLM`` with arrivals staggered in time. Returns the token ids per prompt and the engine's stats."""
     # Async scheduling asked for: vLLM v0.33.0 (and minillm) leave it off on a CPU, and it is the path to check.
-    engine = LLMEngine(model, tokenizer, EngineArgs(async_scheduling=True, **engine_args), multiprocess_mode=True,
-                       asyncio_mode=asyncio_mode)
+    args = EngineArgs(async_scheduling=True, **engine_args)
+    if asyncio_mode:
+        from minillm.engine.async_llm import AsyncLLM
+
+        engine = AsyncLLM(model, tokenizer, args, multiprocess_mode=True)
+    else:
+        engine = LLMEngine(model, tokenizer, args, multiprocess_mode=True)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     try:
         if asyncio_mode:
             import asyncio
 
-            from minillm.engine.async_llm import AsyncLLM
-
-            llm = AsyncLLM(engine)
+            llm = engine
 
             async def one(i, p):
                 await asyncio.sleep(0.05 * (i // (per_step or len(prompts))))
@@ -209,8 +212,9 @@ def serve_through_the_core_process(model, tokenizer, prompts, per_step, asyncio_
             tokens = asyncio.run(main())
         else:
             tokens = serve_staggered(engine, prompts, per_step, params)
-        assert engine.get_num_free_blocks() == engine.num_gpu_blocks - 1
-        return tokens, engine.engine_core.call_utility("get_stats")["engine"]
+        stats = engine.engine_core.get_stats()
+        assert stats.num_free_blocks == engine.engine_core.ready["num_gpu_blocks"] - 1
+        return tokens, stats.engine
     finally:
         engine.shutdown()
 
@@ -227,10 +231,10 @@ def test_greedy_equals_transformers_through_the_engine_core_process(smollm, prom
     if client == "SyncMPClient":
         engine_args, per_step = CONFIGS["chunks of 64, staggered"]
         outputs, stats = serve_through_the_core_process(*smollm, prompts, per_step, False, **engine_args)
-        assert stats["num_cached_prompt_tokens"] > 0
+        assert stats.num_cached_prompt_tokens > 0
     else:
         outputs, stats = serve_through_the_core_process(*smollm, prompts, None, True, max_num_batched_tokens=512,
                                                         max_model_len=256, block_size=16, num_gpu_blocks=32,
                                                         long_prefill_token_threshold=128)
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     check_all(outputs, reference, range(len(prompts)), f"{client}, async scheduling")

@@ -430,16 +430,16 @@ def test_an_unexpected_error_while_adding_one_request_fails_only_that_request():
     import httpx
 
     from minillm.entrypoints.openai.api_server import BackgroundServer
-    from tests.test_async_llm import FakeEngine, expected_text
+    from tests.test_async_llm import FakeEngineCore, expected_text, fake_async_llm
 
-    class BuggyAddEngine(FakeEngine):
-        def add_request(self, request_id, prompt, params, priority=0):
-            if prompt == [13]:
+    class BuggyAddCore(FakeEngineCore):
+        def add_request(self, request):
+            if request.prompt_token_ids == [13]:
                 raise TypeError("unexpected: the fake engine cannot add prompt [13]")
-            return super().add_request(request_id, prompt, params, priority)
+            return super().add_request(request)
 
-    engine = BuggyAddEngine(step_delay=0.0)
-    with BackgroundServer(engine, served_model_name="fake") as server:
+    llm, _ = fake_async_llm(BuggyAddCore(step_delay=0.0))
+    with BackgroundServer(llm, served_model_name="fake", owns_engine=True) as server:
         bad = httpx.post(server.url + "/v1/completions", json={"prompt": [13], "max_tokens": 2}, timeout=30)
         assert bad.status_code == 500 and bad.json()["error"]["type"] == "internal_error", bad.text
         assert httpx.get(server.url + "/health").status_code == 200

@@ -25,16 +25,15 @@ import pytest
 from minillm.entrypoints.openai.api_server import BackgroundServer
 from minillm.platforms.cpu import preferred_cpu_dtype
 from tests.net_helpers import free_port
-from tests.test_async_llm import FakeEngine, expected_text
+from tests.test_async_llm import FakeTokenizer, expected_text, fake_async_llm
 
 
-class SlowTokenizer:
+class SlowTokenizer(FakeTokenizer):
     """Stands in for a tokenizer facing a huge prompt: every call takes ``delay`` seconds (sleeping, so only an
     event loop blocked by the call, not the CPU, can make a concurrent request wait)."""
 
-    eos_token_id = None
-
     def __init__(self, delay: float) -> None:
+        super().__init__()
         self.delay = delay
 
     def encode(self, text: str) -> list[int]:
@@ -47,9 +46,8 @@ class SlowTokenizer:
 
 
 def fake_server(step_delay: float = 0.002, tokenizer=None, **app_args) -> BackgroundServer:
-    engine = FakeEngine(step_delay=step_delay)
-    engine.tokenizer = tokenizer
-    return BackgroundServer(engine, served_model_name="fake", **app_args)
+    llm, _ = fake_async_llm(tokenizer=tokenizer, step_delay=step_delay)
+    return BackgroundServer(llm, served_model_name="fake", owns_engine=True, **app_args)
 
 
 class HealthProbe:

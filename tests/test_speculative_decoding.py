@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.config import SchedulerConfig
+from minillm.config import SchedulerConfig, SpeculativeConfig
 from minillm.core.sched.output import ModelRunnerOutput
 from minillm.core.sched.scheduler import Scheduler
-from minillm.engine.arg_utils import EngineArgs, parse_speculative_config
+from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
@@ -178,10 +178,12 @@ def test_update_draft_token_ids_skips_finished_and_prefilling_requests():
 
 # -- configuration -------------------------------------------------------------------------------------------------
 def test_speculative_config_is_checked_and_filled_in():
-    assert parse_speculative_config(None) is None
-    full = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 5}')
-    assert full == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    assert EngineArgs(speculative_config={"method": "ngram"}).speculative_config["num_speculative_tokens"] == 3
+    assert SpeculativeConfig.from_any(None) is None
+    full = SpeculativeConfig.from_any('{"method": "ngram", "num_speculative_tokens": 5}')
+    assert full == SpeculativeConfig("ngram", num_speculative_tokens=5, prompt_lookup_max=3, prompt_lookup_min=1)
+    args = EngineArgs(speculative_config={"method": "ngram"})
+    assert args.speculative_config == args.create_speculative_config() == SpeculativeConfig("ngram")
+    assert args.speculative_config.num_speculative_tokens == 3
 
 
 @pytest.mark.parametrize("config, match", [

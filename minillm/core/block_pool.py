@@ -1,20 +1,11 @@
 """The pool of KV cache blocks: hand blocks out, take them back, and remember full blocks by hash.
 
-Life of a block:
-
-1. free, no hash: in the free queue, content meaningless.
-2. allocated (``get_new_blocks``): popped from the front of the free queue, ``ref_cnt = 1``. If it still carried a
-   cached hash from an earlier owner, that cache entry is dropped now: this is *eviction*, and it happens lazily,
-   only when the memory is really needed.
-3. full and cached (``cache_full_blocks``): the block gets its hash and enters ``cached_block_hash_to_block``.
-4. shared (``touch``): another request with the same prefix takes it, ``ref_cnt += 1``; if it was free (ref 0)
-   it leaves the free queue from wherever it was.
-5. freed (``free_blocks``): ``ref_cnt -= 1``; at 0 a block *with* a hash goes to the *back* of the free queue and
-   keeps its hash, so a later request can still hit it until it reaches the front and is reused (LRU). A block
-   *without* a hash (a partial tail, or any block when caching is off) goes to the *front*: nothing can hit it, so
-   it is reused first (LIFO), and cached blocks are evicted only once no such block is left.
-
-Block 0 is the *null block*: taken out of the queue at start and never handed out; block tables use it as padding.
+A block is free (in the free queue), allocated (``get_new_blocks``, ``ref_cnt = 1``), cached once full
+(``cache_full_blocks``: its hash enters ``cached_block_hash_to_block``), shared (``touch``: another request with the
+same prefix takes it) and freed (``free_blocks``). A freed block with a hash goes to the *back* of the free queue and
+keeps its hash, so it can still be hit until it is reused (LRU eviction, done lazily when it is popped); one without
+a hash goes to the *front* and is reused first. Block 0 is the *null block*: never handed out, the padding of block
+tables.
 
 vLLM counterpart: ``vllm/v1/core/block_pool.py`` (``BlockPool``, ``BlockHashToBlockMap``).
 """

@@ -1,31 +1,28 @@
-"""Which KV cache blocks each request owns: the scheduler's only view of GPU memory.
+"""Which KV cache blocks each request owns: the scheduler's only view of the device's memory.
 
-The scheduler asks two questions per request and step:
+The scheduler asks :meth:`KVCacheManager.get_computed_blocks` how much of a new prompt is cached (the longest run of
+full blocks whose hash chain matches, never the last prompt token, whose forward pass gives the first output's
+logits) and :meth:`KVCacheManager.allocate_slots` for room for a step's tokens (``None``: the pool is too small, so
+it stops admitting or preempts). Blocks that become full are cached at once; :meth:`KVCacheManager.free` returns a
+request's blocks tail first.
 
-- :meth:`KVCacheManager.get_computed_blocks` (a new request only): how much of the prompt is already in the cache?
-  The answer is the longest run of *full* blocks whose hash chain matches, capped below the prompt length: the
-  last prompt token is always recomputed, because its forward pass produces the logits of the first output token.
-  (Once the request is admitted, the scheduler counts the lookup in the hit statistics:
-  :meth:`KVCacheManager.record_prefix_cache_stats`.)
-- :meth:`KVCacheManager.allocate_slots`: give this request room for ``num_new_tokens`` more tokens (plus, the first
-  time, the cache hits found above), or say ``None`` if the pool is too small, so the scheduler can stop admitting
-  requests or preempt one.
-
-Blocks that become full are registered in the prefix cache immediately (their K/V is written in the same step,
-before any later step can read them). :meth:`free` returns a request's blocks tail first.
-
-vLLM counterpart: ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager``) together with
-``single_type_kv_cache_manager.py`` (``FullAttentionManager``); vLLM also handles sliding-window and other
-attention types, several KV cache groups, speculative lookahead slots and KV transfer between instances.
+vLLM counterpart: ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager``) with ``single_type_kv_cache_manager.py``
+(``FullAttentionManager``); vLLM adds sliding-window and other attention types and several KV cache groups.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Container, Sequence
+from typing import TypedDict
 
 from minillm.core.block_pool import BlockPool
-from minillm.core.kv_cache_utils import (BlockHash, KVCacheBlock, PrefixCacheStats, hash_block_tokens,
-                                         hash_request_tokens)
+from minillm.core.kv_cache_utils import (
+    BlockHash,
+    KVCacheBlock,
+    PrefixCacheStats,
+    hash_block_tokens,
+    hash_request_tokens,
+)
 from minillm.request import Request
 
 
@@ -68,6 +65,15 @@ def num_cached_prefix_tokens(block_hashes: Sequence[BlockHash], num_tokens: int,
 def free_request_blocks(pool: BlockPool, req_blocks: Sequence[KVCacheBlock]) -> None:
     """Drop the request's reference to each of its blocks, tail first (see :meth:`BlockPool.free_blocks`)."""
     pool.free_blocks(reversed(req_blocks))
+
+
+class KVCacheFns(TypedDict, total=False):
+    """:class:`KVCacheManager`'s replaceable functions, as a scheduler passes them on (chapter 8)."""
+
+    allocate_fn: Callable[..., list[KVCacheBlock] | None]
+    block_hashes_fn: Callable[[Sequence[int], int], list[BlockHash]]
+    num_cached_tokens_fn: Callable[..., int]
+    free_fn: Callable[[BlockPool, Sequence[KVCacheBlock]], None]
 
 
 class KVCacheManager:
@@ -165,7 +171,13 @@ class KVCacheManager:
         hashes = self._update_block_hashes(request)
         num_hit = self.num_cached_tokens_fn(hashes, request.num_tokens, self._block_size,
                                             self.block_pool.cached_block_hash_to_block)
-        blocks = [self.block_pool.get_cached_block(h) for h in hashes[:num_hit // self._block_size]]
+        blocks: list[KVCacheBlock] = []
+        for h in hashes[:num_hit // self._block_size]:
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                raise ValueError(f"num_cached_tokens_fn counted {num_hit} cached tokens, but block {len(blocks)} "
+                                 f"(hash {h.hex()[:12]}...) is not in the prefix cache; count only cached blocks")
+            blocks.append(block)
         # No statistics here: a request waiting for room is looked up again every step. The scheduler counts it
         # once, when it is admitted (record_prefix_cache_stats).
         return blocks, len(blocks) * self._block_size

@@ -1,18 +1,12 @@
 """The pieces a paged KV cache is made of: a block, the queue of free blocks, and the hash that names a full block.
 
-A *block* holds the K/V of ``block_size`` consecutive tokens of one sequence (in every layer). The engine never
-moves K/V between blocks; it only hands block ids out and takes them back. Three facts per block are enough:
-
-- ``ref_cnt``: how many running requests use it. A block shared through prefix caching has ``ref_cnt > 1``.
-- ``block_hash``: set once the block is full *and* registered in the prefix cache; it names the block's content.
-- its place in the :class:`FreeKVCacheBlockQueue` when ``ref_cnt == 0``. A free block may still hold a cached
-  prefix: it stays findable by hash until it is popped for reuse (that is the eviction).
-
-Block hashes chain: ``hash(block i) = H(hash(block i-1), token ids of block i, extra keys)``, so equal hashes mean
-equal *prefixes*, not only equal blocks. Only full blocks are hashed.
+A block holds the K/V of ``block_size`` consecutive tokens in every layer; the engine only hands block ids out and
+takes them back. Per block: ``ref_cnt`` (requests using it), ``block_hash`` (set once full and cached) and, when
+free, its place in the :class:`FreeKVCacheBlockQueue`. Hashes chain, ``hash(block i) = H(hash(block i-1), its token
+ids, extra keys)``, so equal hashes mean equal prefixes.
 
 vLLM counterpart: ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``, ``FreeKVCacheBlockQueue``,
-``hash_block_tokens``, ``PrefixCacheStats`` lives in ``vllm/v1/metrics/stats.py``).
+``hash_block_tokens``); ``PrefixCacheStats`` lives in ``vllm/v1/metrics/stats.py``.
 """
 from __future__ import annotations
 
@@ -20,7 +14,6 @@ import hashlib
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 #: A block's hash: 32 bytes of SHA-256. Bytes (not Python's ``hash``) so it is the same in every process and run.
 BlockHash = bytes
@@ -30,7 +23,7 @@ NONE_HASH: BlockHash = hashlib.sha256(b"minillm prefix cache root").digest()
 
 
 def hash_block_tokens(parent_block_hash: BlockHash | None, block_token_ids: Sequence[int],
-                      extra_keys: tuple[Any, ...] | None = None) -> BlockHash:
+                      extra_keys: tuple[object, ...] | None = None) -> BlockHash:
     """Hash of one full block, chained on its parent's hash.
 
     Args:
@@ -52,7 +45,7 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, block_token_ids: Sequ
     return h.digest()
 
 
-def hash_request_tokens(token_ids: Sequence[int], block_size: int, extra_keys: tuple[Any, ...] | None = None,
+def hash_request_tokens(token_ids: Sequence[int], block_size: int, extra_keys: tuple[object, ...] | None = None,
                         parent_block_hash: BlockHash | None = None) -> list[BlockHash]:
     """Hashes of every *full* block of ``token_ids`` (a trailing partial block gets none).
 

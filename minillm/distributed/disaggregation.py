@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from minillm.distributed.kv_transfer.torch_distributed_connector import TorchDistributedConnector
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.sampling_params import SamplingParams
@@ -118,6 +119,9 @@ def disaggregated_worker(ctx: Any, model: str, prompts: list[list[int]], max_tok
                            timeout_s=ctx.timeout_s)
     engine.shutdown()
     worker = engine.kv_connector_worker
+    if not isinstance(worker, TorchDistributedConnector):  # the counters below are that connector's
+        raise TypeError(f"the prefill/decode pair reads a TorchDistributedConnector's byte counters; the connector "
+                        f"{connector!r} is a {type(worker).__name__}")
     stats = engine.stats
     return {"role": "prefill" if producer else "decode", "outputs": outputs if not producer else {},
             "stats": {k: getattr(stats, k) for k in stats.__struct_fields__},

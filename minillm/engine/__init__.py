@@ -1,30 +1,23 @@
 """The messages between the engine's front end (``LLMEngine``, ``AsyncLLM``) and its engine core.
 
-The front end runs in the caller's process: it tokenizes and checks requests (``InputProcessor``) and detokenizes
-outputs (``OutputProcessor``). The engine core (scheduler + model, :mod:`minillm.engine.core`) runs in a process of
-its own by default, so everything below crosses a process boundary: each type is a ``msgspec.Struct``, encoded as
-msgpack (``array_like``: a list of field values, no field names on the wire) by :mod:`minillm.serial_utils`.
-
-========================  ===============================  ==========================================
-message                   direction                        what
-========================  ===============================  ==========================================
-:class:`EngineCoreRequest`  front end -> core (``ADD``)    one checked, tokenized request
-request ids               front end -> core (``ABORT``)    stop these requests, free their blocks
-``(call_id, name, args)``  front end -> core (``UTILITY``)  call a method of the core, answer below
-:class:`EngineCoreOutputs`  core -> front end              one step's new tokens, per request; stats
-========================  ===============================  ==========================================
+The engine core runs in a process of its own by default, so every type here is a ``msgspec.Struct`` (or a typed
+dict), encoded as msgpack by :mod:`minillm.serial_utils`; ``array_like`` structs travel as lists of field values.
+The front end sends :class:`EngineCoreRequest` (``ADD``), request ids (``ABORT``) and ``(call_id, method, args)``
+(``UTILITY``); the core answers with :class:`EngineCoreOutputs`: a step's new tokens and :class:`SchedulerStats`, or
+a :class:`UtilityOutput`. Its first message is the handshake, :class:`EngineCoreReady`.
 
 vLLM counterpart: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput``,
 ``EngineCoreOutputs``, ``EngineCoreRequestType``, ``UtilityOutput``) and ``vllm/v1/metrics/stats.py``
-(``SchedulerStats``). vLLM's carry more (multimodal inputs, LoRA, structured output, events, pooling outputs).
+(``SchedulerStats``).
 """
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 
+from minillm.config import LlamaConfig
 from minillm.sampling_params import SamplingParams
 
 
@@ -155,6 +148,27 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: UtilityOutput | None = None
 
 
+class EngineCoreReady(TypedDict):
+    """The engine core's handshake (its first message, ``READY``): what a front end needs to know about it.
+
+    Attributes:
+        pid: the process the core runs in (this one when in-process).
+        num_gpu_blocks / block_size / max_model_len: the KV cache and the longest sequence it serves.
+        async_scheduling: whether it steps with a batch queue (``EngineCore.step_with_batch_queue``).
+        attention_backend / dtype: what runs the model.
+        model_config: the loaded model's :class:`~minillm.config.LlamaConfig`.
+    """
+
+    pid: int
+    num_gpu_blocks: int
+    max_model_len: int
+    block_size: int
+    async_scheduling: bool
+    attention_backend: str
+    dtype: str
+    model_config: LlamaConfig
+
+
 class EngineDeadError(RuntimeError):
     """The engine core has stopped (its process died, it raised, or it was shut down): no request can be served.
 
@@ -162,5 +176,5 @@ class EngineDeadError(RuntimeError):
     """
 
 
-__all__ = ["EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType", "EngineDeadError",
-           "EngineStats", "SchedulerStats", "UtilityOutput"]
+__all__ = ["EngineCoreOutput", "EngineCoreOutputs", "EngineCoreReady", "EngineCoreRequest", "EngineCoreRequestType",
+           "EngineDeadError", "EngineStats", "SchedulerStats", "UtilityOutput"]

@@ -1,34 +1,32 @@
 """The engine's arguments in one dataclass: the model, the KV cache size, the scheduler's limits, the backend.
 
-Every knob a user may turn when creating an :class:`~minillm.engine.llm_engine.LLMEngine` (or an
-:class:`~minillm.entrypoints.llm.LLM`, or ``python -m minillm serve``) lives here, with vLLM's names, and is checked
-before anything heavy happens. The ``resolved_*`` methods fill in the defaults that depend on the model and the
-device (``max_model_len``, the number of KV blocks, the attention backend).
+Every knob of an ``LLMEngine``, ``AsyncLLM``, ``LLM`` or ``python -m minillm serve`` lives here under vLLM's name and
+is checked before anything heavy happens; the ``resolved_*`` and ``create_*`` methods give what depends on the model
+and the device. Differences from vLLM: ``num_gpu_blocks`` is vLLM's ``num_gpu_blocks_override``;
+``kv_cache_memory_fraction`` is a fraction of the device's free memory for the KV cache alone (vLLM's
+``gpu_memory_utilization`` covers weights and activations too); ``dtype`` defaults to fp32 on a CPU (vLLM:
+``"auto"``), what the lessons compare with transformers in.
 
-vLLM counterpart: ``vllm/engine/arg_utils.py`` (``EngineArgs``, ``EngineArgs.create_engine_config``), which spreads
-the same values over ``ModelConfig``, ``CacheConfig`` and ``SchedulerConfig``. vLLM spells our ``num_gpu_blocks``
-``num_gpu_blocks_override`` and sizes the cache by default from ``gpu_memory_utilization`` (a fraction of the GPU
-for weights, activations *and* cache); ``kv_cache_memory_fraction`` here is the fraction of the device's free memory
-given to the KV cache alone, which is simpler to reason about on a CPU. vLLM's ``dtype`` defaults to ``"auto"``
-(``vllm/config/model.py:_get_and_verify_dtype``); ours defaults to fp32 on a CPU, what the lessons compare against
-transformers in, and ``"auto"`` (bf16 where the CPU multiplies it natively) is asked for: ``python -m minillm serve``
-and ``bench`` ask for it unless given ``--dtype``.
+vLLM counterpart: ``vllm/engine/arg_utils.py`` (``EngineArgs``, ``EngineArgs.create_engine_config``).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minillm.attention.paged import BACKENDS
-from minillm.config import SCHEDULING_POLICIES, KVTransferConfig, LlamaConfig, SchedulerConfig
+from minillm.config import SCHEDULING_POLICIES, KVTransferConfig, LlamaConfig, SchedulerConfig, SpeculativeConfig
+from minillm.model.llama import LlamaForCausalLM
 from minillm.model.llama_tp import check_tensor_parallel_config
 from minillm.model.parallel_layers import num_kv_heads_per_rank
 from minillm.platforms.cpu import DtypeChoice
 from minillm.platforms.dtype import parse_dtype, resolve_dtype  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Used when neither num_gpu_blocks, kv_cache_memory_bytes nor kv_cache_memory_fraction is given.
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 ** 2
@@ -56,35 +54,7 @@ def available_memory_bytes(device: str) -> int:
     return 8 * 1024 ** 3
 
 
-SPECULATIVE_METHODS = ("ngram",)
 EXECUTOR_BACKENDS = ("uni", "mp")
-_SPEC_KEYS = {"method": None, "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-
-
-def parse_speculative_config(config: Any) -> dict | None:
-    """Check a ``speculative_config`` (a dict, its JSON text, or ``None``) and fill in the defaults."""
-    if config is None:
-        return None
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config must be a dict or its JSON text, got {config!r} ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"speculative_config must be a dict or None, got {config!r}")
-    unknown = sorted(set(config) - set(_SPEC_KEYS))
-    if unknown:
-        raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: {sorted(_SPEC_KEYS)}")
-    out = {**_SPEC_KEYS, **config}
-    if out["method"] not in SPECULATIVE_METHODS:
-        raise ValueError(f"speculative_config['method'] must be one of {SPECULATIVE_METHODS}, got {out['method']!r}")
-    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-        if not _is_int(out[key]) or out[key] < 1:
-            raise ValueError(f"speculative_config[{key!r}] must be a positive integer, got {out[key]!r}")
-    if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
-        raise ValueError(f"speculative_config: prompt_lookup_min ({out['prompt_lookup_min']}) must be <= "
-                         f"prompt_lookup_max ({out['prompt_lookup_max']})")
-    return out
 
 
 @dataclass
@@ -170,8 +140,8 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
-    speculative_config: dict | None = None
-    kv_transfer_config: KVTransferConfig | dict | None = None
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     dtype: str | torch.dtype | None = None
     device: str | None = None
     seed: int = 0
@@ -188,7 +158,7 @@ class EngineArgs:
         return [f.name for f in dataclasses.fields(cls) if f.init]
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """Build from keyword arguments, with a clear error for an unknown name."""
         unknown = sorted(set(kwargs) - set(cls.field_names()))
         if unknown:
@@ -225,8 +195,8 @@ class EngineArgs:
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        self.speculative_config = parse_speculative_config(self.speculative_config)
-        self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
+        self.speculative_config = self.create_speculative_config()
+        self.kv_transfer_config = self.create_kv_transfer_config()
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -265,9 +235,10 @@ class EngineArgs:
 
     def async_scheduling_incompatibility(self) -> str | None:
         """What configured here rules async scheduling out, as vLLM v0.33.0 words it; ``None`` if nothing."""
-        if self.speculative_config is not None:
+        spec = self.create_speculative_config()
+        if spec is not None:
             # vLLM's V1 runner runs async scheduling with EAGLE, draft models and "ngram_gpu" only.
-            return f"{self.speculative_config['method']}-based speculative decoding"
+            return f"{spec.method}-based speculative decoding"
         return None
 
     def resolved_async_scheduling(self, device: str | None = None) -> bool:
@@ -298,6 +269,23 @@ class EngineArgs:
             return self.distributed_executor_backend
         return "mp" if self.tensor_parallel_size > 1 else "uni"
 
+    # -- loading ---------------------------------------------------------------------------------------------------
+    def load_model(self) -> LlamaForCausalLM:
+        """The model ``model`` names, in ``resolved_dtype()`` on ``resolved_device()``."""
+        from minillm.loaders.load import load_model
+
+        model = load_model(self.model, dtype=self.resolved_dtype(), device=self.resolved_device(), tokenizer=False)
+        assert isinstance(model, LlamaForCausalLM)
+        return model
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The tokenizer ``tokenizer`` names, else the model's own (``None`` for a directory without one); loads no
+        weights."""
+        from minillm.loaders.load import load_model_tokenizer
+        from minillm.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.tokenizer) if self.tokenizer is not None else load_model_tokenizer(self.model)
+
     # -- what depends on the model -------------------------------------------------------------------------------
     def resolved_device(self) -> str:
         return self.device or default_device()
@@ -322,6 +310,15 @@ class EngineArgs:
             raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
                              f"max_position_embeddings ({limit})")
         return self.max_model_len
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """The :class:`~minillm.config.SpeculativeConfig` of ``speculative_config`` (given as one, a dict of its
+        fields or their JSON text); ``None``: off."""
+        return SpeculativeConfig.from_any(self.speculative_config)
+
+    def create_kv_transfer_config(self) -> KVTransferConfig | None:
+        """The :class:`~minillm.config.KVTransferConfig` of ``kv_transfer_config``; ``None``: no KV connector."""
+        return KVTransferConfig.from_any(self.kv_transfer_config)
 
     def create_scheduler_config(self, model_config: LlamaConfig) -> SchedulerConfig:
         """The :class:`SchedulerConfig` these arguments describe (its own checks apply too)."""

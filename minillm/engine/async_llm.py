@@ -1,64 +1,64 @@
-"""One engine, many clients: asyncio code submits requests and awaits their outputs, streamed as they come.
+"""The asyncio front end: many consumers submit requests and await their outputs, streamed as they come.
 
-Two ways to run the engine underneath, one API (:meth:`AsyncLLM.generate`, :meth:`AsyncLLM.abort`):
+:class:`AsyncLLM` is ``LLMEngine``'s sibling: it owns an ``InputProcessor``, an ``OutputProcessor`` and an
+engine-core client, and one **output handler** task on the event loop awaits the core's outputs, detokenizes them,
+aborts the requests a stop string ended and hands each ``RequestOutput`` to its request's collector. The client is an
+``AsyncMPClient`` (the core in its own process, what ``python -m minillm serve`` runs) or an ``AsyncInprocClient`` (one
+engine thread steps a core in this process). A consumer that stops listening (a client hangs up, its task is
+cancelled) aborts its request, and the core frees its KV blocks at once.
 
-* **The engine core in its own process** (:meth:`AsyncLLM.from_engine_args`, what ``python -m minillm serve``
-  runs; vLLM's only way). The front end lives on the event loop: ``add_request`` checks and tokenizes the request
-  (raising its ``ValueError`` at once), registers it with the output processor and sends it to the core through
-  an :class:`~minillm.engine.core_client.AsyncMPClient`; one **output handler** task awaits the core's outputs,
-  detokenizes them, aborts the requests a stop string ended, and hands each ``RequestOutput`` to its request's
-  queue. The core never waits for the event loop, and the event loop never waits for a step.
-* **An engine object in this process** (``AsyncLLM(engine)``: an in-process ``LLMEngine``, or anything with its
-  methods): one **engine thread** owns it and alone calls ``add_request``, ``abort_request`` and ``step``; asyncio
-  tasks talk to it through a thread-safe command queue, and it hands outputs back with
-  ``loop.call_soon_threadsafe``.
-
-Either way each request gets a :class:`RequestOutputCollector` (an ``asyncio.Queue`` on the caller's loop), and a
-consumer that stops listening (a client disconnects, the task is cancelled, the iterator is closed) aborts its
-request, whose KV blocks the core frees at once. Requests added between two steps join the next one.
-
-vLLM counterpart: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``add_request``, ``output_handler``
-in ``_run_output_handler``, ``abort``, ``shutdown``) and ``RequestOutputCollector`` in
-``vllm/v1/engine/output_processor.py``.
+vLLM counterpart: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``add_request``, ``_run_output_handler``,
+``abort``, ``shutdown``) and ``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
-import msgspec
+from minillm.engine import EngineCoreOutputs, EngineDeadError, SchedulerStats
+from minillm.engine.arg_utils import EngineArgs
+from minillm.engine.core_client import EngineCoreClient, multiprocessing_enabled
+from minillm.engine.input_processor import InputProcessor, PromptType
+from minillm.engine.output_processor import OutputProcessor
+from minillm.engine.outputs import RequestOutput
+from minillm.engine.parts import EngineParts
+from minillm.model.llama import LlamaForCausalLM
+from minillm.request import RequestStatus
+from minillm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["AsyncLLM", "AsyncLLMStats", "EngineDeadError", "RequestOutputCollector"]
 
 logger = logging.getLogger(__name__)
 
 
-from minillm.engine import EngineDeadError, SchedulerStats  # noqa: E402  (one error, thread or process)
+class _End:
+    """Put on a collector's queue when its request ended with no final output (aborted, or the engine stopped)."""
 
 
-# Items on a collector's queue besides RequestOutput objects.
-_END = object()  # the request was aborted (or the engine shut down) with no final output
+_END = _End()
 
 
 @dataclass(frozen=True)
 class AsyncLLMStats:
-    """A snapshot the engine thread publishes after each loop iteration; safe to read from any thread.
+    """A snapshot of the engine for ``/debug/kv_cache``; safe to read from any thread.
 
-    (Not :class:`~minillm.engine.llm_engine.EngineStats`, the engine's own counters. vLLM counterpart: the
-    ``SchedulerStats`` and ``IterationStats`` of ``vllm/v1/metrics/stats.py``, which feed its ``/metrics``.)
+    (vLLM counterpart: the ``SchedulerStats`` and ``IterationStats`` of ``vllm/v1/metrics/stats.py``, which feed its
+    ``/metrics``.)
 
     Attributes:
-        num_blocks: KV cache blocks, the reserved null block included (0 if the engine has no KV cache manager).
+        num_blocks: KV cache blocks, the reserved null block included.
         num_free_blocks: blocks that can be allocated now (free or evictable prefix-cache blocks).
         kv_cache_usage: fraction of usable blocks held by requests, in ``[0, 1]``.
-        num_unfinished_requests: requests the engine still holds (waiting or running): with the engine core in its
-            own process, the front end's or the core's, whichever is more (the core's count comes in the same
-            snapshot as its blocks, so 0 there means its blocks are free; the front end's covers requests on their
-            way to it).
+        num_unfinished_requests: the front end's or the core's count, whichever is more (the core's comes with its
+            blocks, so 0 there means its blocks are free; the front end's covers requests on their way to it).
         num_requests_total / num_finished / num_aborted: counters since start.
-        num_steps: ``engine.step()`` calls so far.
+        num_steps: steps the core ran the model.
     """
 
     num_blocks: int = 0
@@ -72,48 +72,31 @@ class AsyncLLMStats:
 
 
 class RequestOutputCollector:
-    """The outputs of one request, delivered from the engine thread to one asyncio event loop.
+    """The outputs of one request, queued on the event loop that asked for it.
 
-    Created by :meth:`AsyncLLM.add_request`; read with ``await collector.get()`` (``None`` once the request was
-    aborted without a final output) or through :meth:`AsyncLLM.stream_outputs`.
+    Created by :meth:`AsyncLLM.add_request`; read with ``await collector.get()`` (``None`` once the request ended
+    without a final output) or through :meth:`AsyncLLM.stream_outputs`.
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.accepted: asyncio.Future = loop.create_future()
+        self.queue: asyncio.Queue[RequestOutput | BaseException | _End] = asyncio.Queue()
         self.finished = False  # the consumer has seen the final output (or the end)
 
-    # ---- called from the engine thread
-    def _call(self, fn: Any, *args: Any) -> bool:
+    def put(self, item: RequestOutput | BaseException | _End) -> None:
+        """Queue an item (from any thread)."""
         try:
-            self.loop.call_soon_threadsafe(fn, *args)
-            return True
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-            return False
+            pass
 
-    def _put(self, item: Any) -> bool:
-        return self._call(self.queue.put_nowait, item)
-
-    def _accept(self, error: BaseException | None) -> bool:
-        def settle() -> None:
-            if self.accepted.done():  # the caller was cancelled while waiting
-                return
-            if error is None:
-                self.accepted.set_result(None)
-            else:
-                self.accepted.set_exception(error)
-
-        return self._call(settle)
-
-    # ---- called on the consumer's event loop
-    async def get(self) -> Any:
+    async def get(self) -> RequestOutput | None:
         """The next ``RequestOutput``; ``None`` when the request ended without one (aborted). Raises engine errors."""
         if self.finished:
             return None
         item = await self.queue.get()
-        if item is _END:
+        if isinstance(item, _End):
             self.finished = True
             return None
         if isinstance(item, BaseException):
@@ -125,127 +108,134 @@ class RequestOutputCollector:
 
 
 class AsyncLLM:
-    """Serve many concurrent requests with one engine stepped by one background thread.
+    """Serve many concurrent requests, each an asyncio consumer of its outputs.
 
-    Args:
-        engine: an ``LLMEngine`` (anything with ``add_request``, ``abort_request``, ``step``,
-            ``has_unfinished_requests``). From now on only the engine thread may call it.
-        start: start the engine thread now (else on the first request).
+    Args: as :class:`~minillm.engine.llm_engine.LLMEngine`'s; ``multiprocess_mode`` defaults to ``True`` (vLLM's
+    ``AsyncLLM`` always runs the core in its own process); ``False`` steps it on an engine thread in this process.
 
     Use::
 
-        llm = AsyncLLM(LLMEngine.from_engine_args(EngineArgs()))
+        llm = AsyncLLM.from_engine_args(EngineArgs())
         async for out in llm.generate("req-1", "The capital of France is", SamplingParams(max_tokens=8)):
             print(out.outputs[0].delta_text, end="")
         llm.shutdown()
+
+    Raises:
+        ValueError: a bad argument (as ``LLMEngine``). RuntimeError: the engine-core process failed to start.
     """
 
-    def __init__(self, engine: Any, start: bool = True) -> None:
-        from minillm.engine.core_client import AsyncMPClient
-
-        self.engine = engine
-        # The engine core in another process behind an asyncio client: no engine thread, an output handler task.
-        self._client: AsyncMPClient | None = (engine.engine_core if isinstance(getattr(engine, "engine_core", None),
-                                                                               AsyncMPClient) else None)
-        self._output_handler: asyncio.Task | None = None
-        # Read-only facts the server needs outside the engine thread (set once, never changed by the engine).
-        self.tokenizer = getattr(engine, "tokenizer", None)
-        self.max_model_len: int | None = getattr(engine, "max_model_len", None)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._collectors: dict[str, RequestOutputCollector] = {}  # engine thread only
-        self._counts = {"total": 0, "finished": 0, "aborted": 0, "steps": 0}  # engine thread only
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-        self._dead: BaseException | None = None
-        self._stop = threading.Event()
-        self.stats = AsyncLLMStats()  # the engine thread publishes the real numbers as soon as it starts
-        if self._client is not None:
-            self._publish_stats()
-        elif start:
-            self.start()
+    def __init__(self, model: LlamaForCausalLM | None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 engine_args: EngineArgs | None = None,
+                 parts: EngineParts | None = None, multiprocess_mode: bool = True) -> None:
+        args = engine_args if engine_args is not None else EngineArgs()
+        if not isinstance(args, EngineArgs):
+            raise ValueError(f"engine_args must be an EngineArgs, got {type(args).__name__}")
+        if model is None and not multiprocess_mode:
+            raise ValueError("give a loaded model, or multiprocess_mode=True to have the engine core load "
+                             "engine_args.model (AsyncLLM.from_engine_args does)")
+        if multiprocess_mode and parts is not None and parts.replaced():
+            raise ValueError(f"replaced engine parts ({parts.replaced()}) run in-process only: "
+                             f"multiprocess_mode=False")
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        client = EngineCoreClient.make_client(multiprocess_mode, asyncio_mode=True, engine_args=args, model=model,
+                                              parts=parts, eos_token_id=eos)
+        self._init_front_end(client, tokenizer, args)
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, start: bool = True) -> "AsyncLLM":
-        """Build the ``LLMEngine`` from :class:`~minillm.engine.arg_utils.EngineArgs` and wrap it."""
-        from minillm.engine.llm_engine import LLMEngine
+    def from_engine_core(cls, engine_core: EngineCoreClient, tokenizer: PreTrainedTokenizerBase | None,
+                         engine_args: EngineArgs) -> AsyncLLM:
+        """An ``AsyncLLM`` in front of a core someone else built, through an asyncio client (``AsyncMPClient``, or
+        an ``AsyncInprocClient`` over another front end's synchronous client, as ``build_app(llm)`` serves an
+        ``LLM``)."""
+        self = cls.__new__(cls)
+        self._init_front_end(engine_core, tokenizer, engine_args)
+        return self
 
-        return cls(LLMEngine.from_engine_args(engine_args, asyncio_mode=True), start=start)
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool | None = None) -> AsyncLLM:
+        """The engine ``engine_args`` describe; ``multiprocess_mode`` ``None``: ``MINILLM_ENABLE_V1_MULTIPROCESSING``
+        (default on: the core loads the model in its own process, this one loads only the tokenizer)."""
+        if multiprocess_mode is None:
+            multiprocess_mode = multiprocessing_enabled()
+        model = None if multiprocess_mode else engine_args.load_model()
+        return cls(model, engine_args.load_tokenizer(), engine_args, multiprocess_mode=multiprocess_mode)
+
+    def _init_front_end(self, engine_core: EngineCoreClient, tokenizer: PreTrainedTokenizerBase | None,
+                        engine_args: EngineArgs) -> None:
+        ready = engine_core.ready
+        self.engine_args = engine_args
+        self.tokenizer = tokenizer
+        self.model_config = ready["model_config"]
+        self.max_model_len: int = engine_args.create_scheduler_config(self.model_config).max_model_len
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        self.input_processor = InputProcessor(tokenizer, self.model_config, self.max_model_len,
+                                              eos if eos is not None else self.model_config.eos_token_id,
+                                              speculative=engine_args.create_speculative_config() is not None)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.engine_core = engine_core
+        self.output_handler: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop the requests and the handler live on
+        self._collectors: dict[str, RequestOutputCollector] = {}  # that loop's thread only
+        self._counts = {"total": 0, "finished": 0, "aborted": 0}
+        self._dead: BaseException | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @property
     def is_running(self) -> bool:
-        if self._client is not None:
-            return self._dead is None and not self._client.is_dead
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        return self._dead is None and not self.engine_core.is_dead
 
     @property
     def errored(self) -> bool:
-        return self._dead is not None or (self._client is not None and self._client.is_dead)
+        return not self.is_running
 
-    def start(self) -> None:
-        """Start the engine thread (idempotent)."""
-        with self._start_lock:
-            if self._dead is not None:
-                raise EngineDeadError(f"the engine has stopped: {self._dead}")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run_engine_loop, name="minillm-engine", daemon=True)
-                self._thread.start()
-
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread after its current step, or the engine-core process; unfinished requests end
-        (their iterators stop)."""
-        if self._client is not None:
-            if self._dead is None:
-                self._dead = EngineDeadError("the engine was shut down")
-            handler, self._output_handler = self._output_handler, None
-            if handler is not None and not handler.done():  # shutdown may come from another thread (serve's)
-                try:
-                    handler.get_loop().call_soon_threadsafe(handler.cancel)
-                except RuntimeError:  # its loop is closed: the task will never run again anyway
-                    pass
-            self._end_all(_END)
-            self.engine.shutdown()
-            return
-        with self._start_lock:
-            thread = self._thread
-            if self._dead is None:
-                self._dead = EngineDeadError("the engine was shut down")
-        self._stop.set()
-        if thread is not None and thread.is_alive():
-            self._commands.put(("wake",))
-            thread.join(timeout)
-        self._fail_queued()
+    def shutdown(self) -> None:
+        """Stop the engine core (its process, or the engine thread); unfinished requests end (their streams stop).
+        Safe to call from any thread, and more than once."""
+        if self._dead is None:
+            self._dead = EngineDeadError("the engine was shut down")
+        handler, self.output_handler = self.output_handler, None
+        if handler is not None and not handler.done():
+            try:
+                handler.get_loop().call_soon_threadsafe(handler.cancel)
+            except RuntimeError:  # its loop is closed: the task will never run again anyway
+                pass
+        self._on_loop(self._end_all, _END)
+        self.engine_core.shutdown()
 
     # ------------------------------------------------------------------------------------------ client API
-    async def add_request(self, request_id: str, prompt: str | list[int], params: Any,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                           priority: int = 0) -> RequestOutputCollector:
-        """Hand a request to the engine thread and wait until the engine has accepted it.
+        """Check and tokenize the request here, then hand it to the engine core.
 
         Raises:
-            ValueError: the engine refused the request (bad prompt or parameters, duplicate id); the message is
-                the engine's.
-            Exception: whatever else ``engine.add_request`` raised for this request; the engine loop goes on
-                serving the other requests.
-            EngineDeadError: the engine thread has stopped.
+            ValueError: a bad prompt or parameters, a request id in use, or the core refused it; the message says
+                which.
+            Exception: whatever else adding it raised in an in-process core (the core goes on serving the others).
+            EngineDeadError: the engine has stopped.
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self._dead}")
-        if self._client is not None:
-            return await self._add_request_mp(request_id, prompt, params, priority)
-        self.start()
-        collector = RequestOutputCollector(request_id, asyncio.get_running_loop())
-        self._commands.put(("add", collector, prompt, params, priority))
-        if self._dead is not None:  # stopped while we queued: nobody will take the command
-            self._fail_queued()
+        request, prompt_text = self.input_processor.process_inputs(request_id, prompt, params, priority)
+        loop = self._bind_loop()
+        collector = RequestOutputCollector(request_id, loop)
+        self.output_processor.add_request(request_id, prompt_text, request.prompt_token_ids,
+                                          request.sampling_params)  # raises when the id is in use
+        self._collectors[request_id] = collector
+        if self.output_handler is None:
+            self.output_handler = loop.create_task(self._run_output_handler())
         try:
-            await collector.accepted
+            await self.engine_core.add_request_async(request)
         except asyncio.CancelledError:
-            # The command is queued; an abort queued after it undoes it in order.
-            self.abort(request_id)
+            self.abort(request_id)  # queued after the add it undoes (in-process), or sent after it
             raise
+        except BaseException:
+            self.output_processor.abort_requests([request_id])
+            self._collectors.pop(request_id, None)
+            raise
+        self._counts["total"] += 1
         return collector
 
-    async def stream_outputs(self, collector: RequestOutputCollector) -> AsyncIterator[Any]:
+    async def stream_outputs(self, collector: RequestOutputCollector) -> AsyncIterator[RequestOutput]:
         """Yield the request's ``RequestOutput`` objects until the final one. Leaving early aborts the request."""
         try:
             while (out := await collector.get()) is not None:
@@ -256,8 +246,8 @@ class AsyncLLM:
             if not collector.finished:
                 self.abort(collector.request_id)
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: Any,
-                       priority: int = 0) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (cumulative ``text``/``token_ids`` plus ``delta_*``) as they come.
 
         Cancelling the task that iterates, or closing the iterator early, aborts the request.
@@ -271,42 +261,68 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str | Sequence[str]) -> None:
-        """Abort requests (thread-safe, returns at once). Unknown or finished ids are ignored."""
+        """Abort requests (from any thread; returns at once, the abort runs on the event loop). Unknown or finished
+        ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if self._client is not None:
-            self._handle_abort(ids)
-        elif ids and self._thread is not None and self._thread.is_alive():
-            self._commands.put(("abort", ids))
+        if ids:
+            self._on_loop(self._abort_now, ids, defer=True)
 
-    # ------------------------------------------------------------------------------------------ engine-core process
-    async def _add_request_mp(self, request_id: str, prompt: Any, params: Any, priority: int
-                              ) -> RequestOutputCollector:
-        """Check and tokenize here (a bad request never reaches the core), then send it."""
-        self._client._check_alive()
-        engine = self.engine
-        request, prompt_text = engine.process_inputs(request_id, prompt, params, priority=priority)
-        collector = RequestOutputCollector(request_id, asyncio.get_running_loop())
-        engine.output_processor.add_request(request_id, prompt_text, request.prompt_token_ids,
-                                            request.sampling_params)
-        self._collectors[request_id] = collector
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    @property
+    def stats(self) -> AsyncLLMStats:
+        """The stats as of the core's latest step (the counters: now)."""
+        return self._make_stats(self.engine_core.scheduler_stats)
+
+    async def get_stats(self) -> AsyncLLMStats:
+        """The stats now: asked of the core (a utility call, answered after every message sent before it, aborts
+        included), not the snapshot of its latest step."""
+        sched = self.engine_core.scheduler_stats
+        if not self.errored:
+            try:
+                sched = await self.engine_core.get_stats_async()
+            except EngineDeadError:
+                pass
+        return self._make_stats(sched)
+
+    # ------------------------------------------------------------------------------------------ the event loop
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed():
+                raise RuntimeError("this AsyncLLM serves another event loop, which is still open; use it from that "
+                                   "loop (or one AsyncLLM per loop)")
+            if self._loop is not None:  # that loop is gone, and everything it was waiting for
+                self._abort_now(list(self._collectors))
+                self.output_handler = None
+            self._loop = loop
+        return loop
+
+    def _on_loop(self, fn: Callable[..., object], *args: object, defer: bool = False) -> None:
+        """Run ``fn(*args)`` on the event loop's thread: now if this is it (and not ``defer``), else soon; at once
+        when there is no loop any more."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            fn(*args)
+            return
         try:
-            await self._client.add_request_async(request)
-        except BaseException:
-            engine.output_processor.abort_requests([request_id])
-            self._collectors.pop(request_id, None)
-            raise
-        self._counts["total"] += 1
-        if self._output_handler is None:
-            self._output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
-        return collector
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop and not defer:
+            fn(*args)
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # closed meanwhile
+            fn(*args)
 
     async def _run_output_handler(self) -> None:
         """The one task that takes the core's outputs: detokenize, abort stop-string finishes, deliver."""
         try:
             while True:
-                outputs = await self._client.get_output_async()
-                self._counts["steps"] += 1
-                self._dispatch(self.engine._process_engine_outputs(outputs))
+                self._process_engine_outputs(await self.engine_core.get_output_async())
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - EngineDeadError, or a bug: every waiter must hear it
@@ -316,147 +332,40 @@ class AsyncLLM:
             self._dead = e
             self._end_all(e)
 
-    # ------------------------------------------------------------------------------------------ engine thread
-    def _run_engine_loop(self) -> None:
-        engine = self.engine
-        try:
-            self._publish_stats()
-            while not self._stop.is_set():
-                cmds = []
-                if not engine.has_unfinished_requests():
-                    # Idle: sleep until a command comes (waking now and then to notice a shutdown).
-                    try:
-                        cmds.append(self._commands.get(timeout=0.1))
-                    except queue.Empty:
-                        continue
-                while True:  # take whatever else is queued: requests added now join the next step
-                    try:
-                        cmds.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                for cmd in cmds:
-                    if cmd[0] == "add":
-                        self._handle_add(*cmd[1:])
-                    elif cmd[0] == "abort":
-                        self._handle_abort(cmd[1])
-                if self._stop.is_set():
-                    break
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._counts["steps"] += 1
-                    self._dispatch(outputs)
-                self._publish_stats()
-            self._end_all(_END)
-        except BaseException as e:  # noqa: BLE001 - every waiter must hear about it, whatever it is
-            logger.exception("the engine loop failed; every request in flight is failed with the error")
-            self._dead = e
-            self._end_all(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
-        self._publish_stats()
-
-    def _handle_add(self, collector: RequestOutputCollector, prompt: Any, params: Any, priority: int) -> None:
-        rid = collector.request_id
-        if rid in self._collectors:
-            collector._accept(ValueError(f"request_id {rid!r} is already in use by an unfinished request"))
-            return
-        try:
-            self.engine.add_request(rid, prompt, params, priority=priority)
-        except ValueError as e:
-            collector._accept(e)
-            return
-        except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop every other request shares
-            # Not a refusal the engine foresaw (that would be a ValueError) but a bug it hit while adding this
-            # request; the engine has not stepped with it, so failing this request alone keeps the rest intact.
-            logger.exception("adding request %r failed; refusing it and serving the others", rid)
-            try:
-                self.engine.abort_request([rid])  # drop whatever the failed add left half-registered
-            except Exception:  # noqa: BLE001 - the id may be unknown to the engine; that is fine
-                logger.debug("abort after a failed add of %r also failed", rid, exc_info=True)
-            collector._accept(e)
-            return
-        self._counts["total"] += 1
-        self._collectors[rid] = collector
-        if not collector._accept(None):  # the caller's loop is gone: nobody will read this request
-            self._handle_abort([rid])
-
-    def _handle_abort(self, request_ids: list[str]) -> None:
-        known = [rid for rid in request_ids if rid in self._collectors]
-        if not known:
-            return
-        self.engine.abort_request(known)
-        for rid in known:
-            self._collectors.pop(rid)._put(_END)
-        self._counts["aborted"] += len(known)
-
-    def _dispatch(self, outputs: list[Any]) -> None:
-        gone = []
-        deliveries = []
-        for out in outputs:
+    def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        logprobs = {o.request_id: o.new_logprobs for o in outputs.outputs if o.new_logprobs is not None}
+        request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs, logprobs or None)
+        if reqs_to_abort:  # stop strings: the core still holds these requests and their blocks
+            self.engine_core.abort_requests(reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        for out in request_outputs:
             collector = self._collectors.get(out.request_id)
             if collector is None:
                 continue
             if out.finished:
                 del self._collectors[out.request_id]
                 self._counts["finished"] += 1
-            deliveries.append((collector, out))
-        # Publish first: a caller that has just received its final output must already see it counted.
-        self._publish_stats()
-        for collector, out in deliveries:
-            if not collector._put(out) and not out.finished:
-                gone.append(out.request_id)
-        if gone:
-            self._handle_abort(gone)
+            collector.put(out)
 
-    def _end_all(self, item: Any) -> None:
-        for collector in self._collectors.values():
-            collector._put(item)
-        self._collectors.clear()
-        self._fail_queued()
+    def _abort_now(self, request_ids: list[str]) -> None:
+        known = self.output_processor.abort_requests(request_ids)
+        for rid in known:
+            collector = self._collectors.pop(rid, None)
+            if collector is not None:
+                collector.put(_END)
+        self._counts["aborted"] += len(known)
+        if known and not self.engine_core.is_dead:
+            self.engine_core.abort_requests(known)
 
-    def _fail_queued(self) -> None:
-        """After the loop ended: release every caller still waiting for its request to be accepted."""
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                cmd[1]._accept(EngineDeadError(f"the engine has stopped: {self._dead}"))
+    def _end_all(self, item: BaseException | _End) -> None:
+        collectors, self._collectors = list(self._collectors.values()), {}
+        self.output_processor.abort_requests([c.request_id for c in collectors])
+        for collector in collectors:
+            collector.put(item)
 
-    async def get_stats(self) -> AsyncLLMStats:
-        """The stats now. With the engine core in another process they are asked of it (a utility call, answered
-        after every message sent before it, aborts included), not the snapshot of its last step."""
-        if self._client is not None and not self.errored:
-            try:
-                self._client.stats = msgspec.convert(await self._client.call_utility_async("get_stats", timeout=10),
-                                                     SchedulerStats)
-            except EngineDeadError:
-                pass
-            self._publish_stats()
-        return self.stats
-
-    def _publish_stats(self) -> None:
-        if self._client is not None:
-            sched = self._client.stats
-            self.stats = AsyncLLMStats(
-                num_blocks=sched.num_blocks, num_free_blocks=sched.num_free_blocks,
-                kv_cache_usage=sched.kv_cache_usage,
-                num_unfinished_requests=max(self.engine.get_num_unfinished_requests(),
-                                            sched.num_running_reqs + sched.num_waiting_reqs),
-                num_requests_total=self._counts["total"], num_finished=self._counts["finished"],
-                num_aborted=self._counts["aborted"], num_steps=sched.engine.num_steps)
-            return
-        kv = getattr(self.engine, "kv_cache_manager", None)
-        try:
-            unfinished = self.engine.get_num_unfinished_requests()
-        except AttributeError:
-            unfinished = len(self._collectors)
-        self.stats = AsyncLLMStats(
-            num_blocks=int(getattr(kv, "num_blocks", 0) or 0),
-            num_free_blocks=int(getattr(kv, "num_free_blocks", 0) or 0),
-            kv_cache_usage=float(getattr(kv, "usage", 0.0) or 0.0),
-            num_unfinished_requests=unfinished,
-            num_requests_total=self._counts["total"],
-            num_finished=self._counts["finished"],
-            num_aborted=self._counts["aborted"],
-            num_steps=self._counts["steps"],
-        )
+    def _make_stats(self, sched: SchedulerStats) -> AsyncLLMStats:
+        return AsyncLLMStats(
+            num_blocks=sched.num_blocks, num_free_blocks=sched.num_free_blocks, kv_cache_usage=sched.kv_cache_usage,
+            num_unfinished_requests=max(self.output_processor.get_num_unfinished_requests(),
+                                        sched.num_running_reqs + sched.num_waiting_reqs),
+            num_requests_total=self._counts["total"], num_finished=self._counts["finished"],
+            num_aborted=self._counts["aborted"], num_steps=sched.engine.num_steps)

@@ -1,35 +1,15 @@
-"""The engine core: the scheduler and the executor, stepping. In-process, or in a process of its own.
+"""The engine core: the scheduler and the executor, stepping. In this process, or in a process of its own.
 
-:class:`EngineCore` holds what a step needs and nothing of the caller's: the scheduler (with the KV cache manager),
-the executor (with the model runner, the model and the paged KV cache) and the KV connector's two halves. Its input
-is a checked, tokenized :class:`~minillm.engine.EngineCoreRequest`; its output, per step, an
-:class:`~minillm.engine.EngineCoreOutputs` of new token ids. Tokenizing, detokenizing and stop strings stay in the
-caller's process (``LLMEngine``, ``AsyncLLM``).
+:class:`EngineCore` takes checked, tokenized requests and gives, per step, the new token ids of each request;
+tokenizing, detokenizing and stop strings stay with the front end. :meth:`EngineCore.step` schedules, executes and
+updates in turn; :meth:`EngineCore.step_with_batch_queue` (async scheduling) plans step N+1 and hands it to the
+executor before it waits for step N. :class:`EngineCoreProc` is the same core in its own process: a busy loop on the
+main thread, an input and an output thread for the two ZeroMQ sockets, a handshake first, Ctrl-C ignored (the client
+handles it), and an exit when its parent dies or a step fails (the client hears ``EngineDeadError``).
 
-Two ways to step:
-
-* :meth:`EngineCore.step`, synchronous: schedule, execute, update from the output. The model waits while the CPU
-  schedules, and the scheduler waits while the model runs.
-* :meth:`EngineCore.step_with_batch_queue`, async scheduling: a queue of up to two steps in flight. It schedules
-  step N+1 and hands it to the executor (which runs steps in order on its own thread) *before* it waits for step
-  N's output; the :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` counts step N's tokens as
-  placeholders meanwhile. The executor's thread is the CPU's stand-in: on a GPU, vLLM's runner launches step N+1's
-  kernels behind step N's in stream order, keeps the sampled ids on the GPU and copies them to the host on a side
-  stream. Which of the two runs is a configuration choice (``EngineArgs.async_scheduling``: off on a CPU, as in
-  vLLM v0.33.0), in this process or in its own.
-
-:class:`EngineCoreProc` is the same core in its own process: a **busy loop** on the main thread (take the client's
-messages, step while there is work, sleep on the input queue when there is none), an **input thread** that receives
-and decodes the client's messages (ZeroMQ ``PULL``), and an **output thread** that encodes and sends outputs
-(``PUSH``), so neither socket ever holds up a step. It starts with a handshake (its first message says it is ready,
-with the facts the client needs, or why it failed), ignores Ctrl-C (the client handles it: the core must survive to
-serve the next call), exits when its parent dies (a pipe it watches closes), and on an error in a step tells the
-client (``EngineDeadError``) and exits.
-
-vLLM counterpart: ``vllm/v1/engine/core.py`` (``EngineCore.step``, ``step_with_batch_queue``,
-``EngineCoreProc.run_engine_core``, ``run_busy_loop``, ``_process_input_queue``, ``_process_engine_step``,
-``process_input_sockets``, ``process_output_sockets``, ``_send_engine_dead``). vLLM adds data parallelism,
-pipeline parallelism, structured output, multimodal encoders, KV events and sleep mode.
+vLLM counterpart: ``vllm/v1/engine/core.py`` (``EngineCore.step``, ``step_with_batch_queue``, ``EngineCoreProc``:
+``run_busy_loop``, ``process_input_sockets``, ``process_output_sockets``); vLLM adds data and pipeline parallelism,
+structured output, KV events and sleep mode.
 """
 from __future__ import annotations
 
@@ -41,15 +21,24 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import torch
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
-from minillm.engine import (EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, EngineDeadError, EngineStats,
-                            SchedulerStats, UtilityOutput)
+from minillm.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineDeadError,
+    EngineStats,
+    SchedulerStats,
+    UtilityOutput,
+)
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.parts import EngineParts
 from minillm.executor.abstract import Executor
@@ -60,13 +49,22 @@ from minillm.model.llama_tp import check_tensor_parallel_config
 from minillm.request import Request, RequestStatus
 from minillm.serial_utils import MsgpackDecoder, MsgpackEncoder
 from minillm.system_utils import watch_parent
-from minillm.worker.model_runner import ModelRunner
+from minillm.worker.model_runner import ModelRunner, ModelRunnerArgs
 from minillm.worker.worker import Worker
+
+if TYPE_CHECKING:
+    import multiprocessing.connection
+
+    import zmq
 
 logger = logging.getLogger(__name__)
 
 # Frames the core sends first, before the payload (the client's output thread dispatches on them).
 READY, FAILED, OUTPUTS, DEAD = b"R", b"F", b"O", b"D"
+# What a client's ABORT and UTILITY messages carry: (request ids, status) and (call id, method, arguments).
+AbortPayload = tuple[list[str], int]
+UtilityPayload = tuple[int, str, list[Any]]
+ClientPayload = EngineCoreRequest | AbortPayload | UtilityPayload
 
 
 class EngineCore:
@@ -90,11 +88,12 @@ class EngineCore:
 
     def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, parts: EngineParts | None = None,
                  eos_token_id: int | None = None, async_scheduling: bool = False,
-                 model_thread: Any = None) -> None:
+                 model_thread: ThreadPoolExecutor | None = None) -> None:
         args = engine_args
         self.parts = parts if parts is not None else EngineParts()
         self.engine_args = args
         self.model_config = model.config
+        self.dtype = str(model.dtype).removeprefix("torch.")
         self.scheduler_config = args.create_scheduler_config(model.config)
         self.max_model_len = self.scheduler_config.max_model_len
         self.num_gpu_blocks = args.resolved_num_gpu_blocks(model.config, self.max_model_len, model.dtype)
@@ -124,24 +123,27 @@ class EngineCore:
                                                   args.enable_prefix_caching, **self.parts.scheduler_fns())
         # Chapter 9: a KV connector has two halves, one for the scheduler and one for the model runner.
         self.kv_connector_scheduler = self.kv_connector_worker = None
-        if args.kv_transfer_config is not None:
+        kv_transfer_config = args.create_kv_transfer_config()
+        if kv_transfer_config is not None:
             from minillm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
 
             make = KVConnectorFactory.create_connector
-            self.kv_connector_scheduler = make(args.kv_transfer_config, KVConnectorRole.SCHEDULER, model.config,
+            self.kv_connector_scheduler = make(kv_transfer_config, KVConnectorRole.SCHEDULER, model.config,
                                                args.block_size)
-            self.kv_connector_worker = make(args.kv_transfer_config, KVConnectorRole.WORKER, model.config,
+            self.kv_connector_worker = make(kv_transfer_config, KVConnectorRole.WORKER, model.config,
                                             args.block_size)
             self.scheduler.set_kv_connector(self.kv_connector_scheduler)
         self.eos_token_id = eos_token_id if eos_token_id is not None else model.config.eos_token_id
-        runner_kwargs = dict(num_blocks=self.num_gpu_blocks, block_size=args.block_size,
-                             attention_backend=self.attention_backend, eos_token_id=self.eos_token_id,
-                             speculative_config=args.speculative_config, kv_connector=self.kv_connector_worker,
-                             max_num_reqs=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len)
+        runner_kwargs = ModelRunnerArgs(num_blocks=self.num_gpu_blocks, block_size=args.block_size,
+                                        attention_backend=self.attention_backend, eos_token_id=self.eos_token_id,
+                                        speculative_config=args.create_speculative_config(),
+                                        kv_connector=self.kv_connector_worker,
+                                        max_num_reqs=self.scheduler_config.max_num_seqs,
+                                        max_model_len=self.max_model_len, **self.parts.model_runner_fns())
         self.tensor_parallel_size = args.tensor_parallel_size
         self.model_executor: Executor
         if args.resolved_distributed_executor_backend() == "uni":
-            worker = Worker(model, **runner_kwargs, **self.parts.model_runner_fns())
+            worker = Worker(model, **runner_kwargs)
             self.model_runner: ModelRunner | None = worker.model_runner
             self.model_executor = UniProcExecutor(worker, model_thread)
         else:
@@ -368,9 +370,10 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         """The core now: queues, KV cache, counters."""
         kv = self.scheduler.kv_cache_manager
-        return SchedulerStats(num_running_reqs=len(self.scheduler.running), num_waiting_reqs=len(self.scheduler.waiting),
-                              num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
-                              kv_cache_usage=float(kv.usage), engine=msgspec.structs.replace(self.stats))
+        return SchedulerStats(num_running_reqs=len(self.scheduler.running),
+                              num_waiting_reqs=len(self.scheduler.waiting), num_blocks=kv.num_blocks,
+                              num_free_blocks=kv.num_free_blocks, kv_cache_usage=float(kv.usage),
+                              engine=msgspec.structs.replace(self.stats))
 
     def get_num_free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.num_free_blocks
@@ -397,6 +400,13 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.make_stats()
 
+    def ready_message(self) -> EngineCoreReady:
+        """The handshake: what a client learns about this core before anything else (``READY``)."""
+        return EngineCoreReady(pid=os.getpid(), num_gpu_blocks=self.num_gpu_blocks, max_model_len=self.max_model_len,
+                               block_size=self.engine_args.block_size, async_scheduling=self.async_scheduling,
+                               attention_backend=self.attention_backend, dtype=self.dtype,
+                               model_config=self.model_config)
+
     def shutdown(self) -> None:
         """Let the executor's thread finish, and a KV connector what it sends or waits for (chapter 9)."""
         self.model_executor.shutdown()
@@ -412,19 +422,21 @@ class EngineCoreProc(EngineCore):
     :class:`~minillm.engine.core_client.MPClient`.
     """
 
-    def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, input_address: str, output_socket: Any,
-                 eos_token_id: int | None = None, async_scheduling: bool = False, model_thread: Any = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, input_address: str,
+                 output_socket: zmq.Socket[bytes], eos_token_id: int | None = None, async_scheduling: bool = False,
+                 model_thread: ThreadPoolExecutor | None = None) -> None:
         super().__init__(model, engine_args, eos_token_id=eos_token_id, async_scheduling=async_scheduling,
                          model_thread=model_thread)
         self.input_address = input_address
         self.output_socket = output_socket
-        self.input_queue: queue.Queue = queue.Queue()
-        self.output_queue: queue.Queue = queue.Queue()
-        self._request_decoder = MsgpackDecoder(EngineCoreRequest)
-        self._plain_decoder = MsgpackDecoder()
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, ClientPayload]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[bytes, EngineCoreOutputs | bytes] | None] = queue.Queue()
+        self._decoders = {EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+                          EngineCoreRequestType.ABORT: MsgpackDecoder(AbortPayload),
+                          EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityPayload)}
 
     # -- the two socket threads ---------------------------------------------------------------------------------
-    def process_input_sockets(self, context: Any) -> None:
+    def process_input_sockets(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
         """Input thread: receive, decode, queue. Decoding here keeps it off the busy loop's time."""
         import zmq
 
@@ -432,12 +444,9 @@ class EngineCoreProc(EngineCore):
         sock.connect(self.input_address)
         try:
             while True:
-                kind, payload = sock.recv_multipart(copy=False)
-                kind = EngineCoreRequestType(bytes(kind.buffer))
-                if kind is EngineCoreRequestType.ADD:
-                    self.input_queue.put_nowait((kind, self._request_decoder.decode(payload.buffer)))
-                else:
-                    self.input_queue.put_nowait((kind, self._plain_decoder.decode(payload.buffer)))
+                frame, payload = sock.recv_multipart(copy=False)
+                kind = EngineCoreRequestType(bytes(frame.buffer))
+                self.input_queue.put_nowait((kind, self._decoders[kind].decode(payload.buffer)))
         except zmq.ContextTerminated:
             pass
         finally:
@@ -455,8 +464,8 @@ class EngineCoreProc(EngineCore):
                 if item is None:
                     return
                 kind, payload = item
-                self.output_socket.send_multipart([kind, payload if kind == DEAD else encoder.encode(payload)],
-                                                  copy=False)
+                data = payload if isinstance(payload, bytes) else encoder.encode(payload)  # DEAD's text is bytes
+                self.output_socket.send_multipart([kind, data], copy=False)
         except zmq.ContextTerminated:
             pass
 
@@ -479,18 +488,18 @@ class EngineCoreProc(EngineCore):
         if outputs is not None and outputs.outputs:
             self.output_queue.put_nowait((OUTPUTS, outputs))
 
-    def _handle_client_request(self, kind: EngineCoreRequestType, payload: Any) -> None:
-        if kind is EngineCoreRequestType.ADD:
+    def _handle_client_request(self, kind: EngineCoreRequestType, payload: ClientPayload) -> None:
+        if isinstance(payload, EngineCoreRequest):  # ADD
             try:
                 self.add_request(payload)
             except ValueError as e:  # the client checks first; a request the scheduler still refuses ends alone
                 logger.warning("refused request %r: %s", payload.request_id, e)
                 self.output_queue.put_nowait((OUTPUTS, EngineCoreOutputs(outputs=[self._refused(payload)])))
         elif kind is EngineCoreRequestType.ABORT:
-            request_ids, status = payload
+            request_ids, status = cast(AbortPayload, payload)
             self.abort_requests(request_ids, RequestStatus(status))
         elif kind is EngineCoreRequestType.UTILITY:
-            call_id, method, args = payload
+            call_id, method, args = cast(UtilityPayload, payload)
             try:
                 if method.startswith("_") or not callable(getattr(self, method, None)):
                     raise ValueError(f"unknown utility method {method!r}")
@@ -501,15 +510,14 @@ class EngineCoreProc(EngineCore):
                 utility_output=UtilityOutput(call_id, failure, result))))
 
     @staticmethod
-    def _refused(request: EngineCoreRequest) -> Any:
-        from minillm.engine import EngineCoreOutput
-
+    def _refused(request: EngineCoreRequest) -> EngineCoreOutput:
         return EngineCoreOutput(request.request_id, [], finish_reason="abort")
 
 
 def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_scheduling: bool, input_address: str,
-                    output_address: str, death_pipe: Any, num_threads: int | None = None,
-                    model_pipe: Any = None) -> None:
+                    output_address: str, death_pipe: multiprocessing.connection.Connection,
+                    num_threads: int | None = None,
+                    model_pipe: multiprocessing.connection.Connection | None = None) -> None:
     """The engine-core process's entry point: load, handshake, busy loop; tell the client if anything fails.
 
     A model the caller already loaded arrives on ``model_pipe`` once the process runs (not with the process's
@@ -520,7 +528,7 @@ def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_sch
     # the core must live on to serve the next call. SIGTERM is how the client shuts it down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    def on_sigterm(signum: int, frame: Any) -> None:
+    def on_sigterm(signum: int, frame: object) -> None:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -533,20 +541,21 @@ def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_sch
     out.setsockopt(zmq.SNDHWM, 0)
     out.connect(output_address)
     encoder = MsgpackEncoder()
-    core = model = None
+    core: EngineCoreProc | None = None
     try:
         def build() -> EngineCoreProc:
-            nonlocal model
             if num_threads is not None:
                 torch.set_num_threads(num_threads)
             if model_pipe is not None:
                 model = model_pipe.recv()
                 model_pipe.close()
             else:
-                import minillm
+                from minillm.loaders.load import load_model
 
-                model = minillm.load_model(engine_args.model, dtype=engine_args.resolved_dtype(),
-                                           device=engine_args.resolved_device(), tokenizer=False)
+                model = load_model(engine_args.model, dtype=engine_args.resolved_dtype(),
+                                   device=engine_args.resolved_device(), tokenizer=False)
+            if not isinstance(model, LlamaForCausalLM):
+                raise TypeError(f"the engine core needs a LlamaForCausalLM, got {type(model).__name__}")
             return EngineCoreProc(model, engine_args, input_address, out, eos_token_id, async_scheduling,
                                   model_thread=model_thread)
 
@@ -555,12 +564,7 @@ def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_sch
         except Exception as e:  # noqa: BLE001 - the client raises it in the caller's process
             out.send_multipart([FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
             return
-        cfg = model.config
-        out.send_multipart([READY, encoder.encode({
-            "pid": os.getpid(), "num_gpu_blocks": core.num_gpu_blocks, "max_model_len": core.max_model_len,
-            "block_size": engine_args.block_size, "async_scheduling": async_scheduling,
-            "attention_backend": core.attention_backend, "dtype": str(model.dtype).removeprefix("torch."),
-            "model_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}})])
+        out.send_multipart([READY, encoder.encode(core.ready_message())])
         threading.Thread(target=core.process_input_sockets, args=(context,), name="minillm-core-input",
                          daemon=True).start()
         output_thread = threading.Thread(target=core.process_output_sockets, name="minillm-core-output", daemon=True)

@@ -9,9 +9,13 @@ output processor then finishes the request with ``finish_reason="stop"`` and ``s
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from minillm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],
@@ -56,7 +60,7 @@ class IncrementalDetokenizer:
         params: the request's :class:`SamplingParams` (``stop``, ``include_stop_str_in_output``).
     """
 
-    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.stop = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
@@ -66,6 +70,7 @@ class IncrementalDetokenizer:
 
     def _decode(self) -> str:
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence in, one string out
         # A multi-byte character split across tokens decodes to U+FFFD until its last byte arrives: hold it back.
         return text.rstrip("\ufffd")
 

@@ -1,16 +1,9 @@
-"""From the scheduler's token ids to what a user sees: text, streaming deltas, stop strings, finish reasons.
+"""From the core's token ids to what a user sees: text, streaming deltas, stop strings, finish reasons.
 
-After each step the scheduler reports, per request, the token ids it appended and whether ``check_stop`` ended the
-request (EOS, a stop token id, ``max_tokens``, ``max_model_len``). This module turns those into
-:class:`~minillm.engine.outputs.RequestOutput` objects:
-
-1. detokenize incrementally (:class:`~minillm.engine.detokenizer.IncrementalDetokenizer`) and look for stop
-   *strings*, which only the text can reveal; a request that hits one must be aborted in the scheduler, so its id is
-   returned in ``reqs_to_abort``;
-2. release text for streaming, but hold back the last ``len(longest stop string) - 1`` characters while the request
-   runs: they might turn out to be the start of a stop string, and text already streamed cannot be taken back. So
-   the concatenation of every ``delta_text`` equals the final ``text``, always (by construction: ``text`` *is* that
-   concatenation).
+Each step's :class:`~minillm.engine.EngineCoreOutput` s are detokenized incrementally; a stop *string* (only the
+text reveals it) finishes its request, whose id comes back in ``reqs_to_abort`` for the core to free. While a request
+runs, the last ``len(longest stop string) - 1`` characters are held back, since they may begin a stop string and
+streamed text cannot be taken back: so every ``delta_text`` joined is the final ``text``.
 
 vLLM counterpart: ``vllm/v1/engine/output_processor.py`` (``OutputProcessor``, ``RequestState``) and
 ``vllm/v1/engine/detokenizer.py`` (``get_next_output_text`` with its ``stop_buffer_length``).
@@ -19,12 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from minillm.core.sched.output import EngineCoreOutput
 from minillm.engine.detokenizer import IncrementalDetokenizer
 from minillm.engine.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -51,7 +47,7 @@ class RequestState:
 
     @classmethod
     def new(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            tokenizer: Any) -> "RequestState":
+            tokenizer: PreTrainedTokenizerBase | None) -> RequestState:
         detok = IncrementalDetokenizer(tokenizer, params) if tokenizer is not None else None
         stops = params.stop or []
         buffer = 0 if (params.include_stop_str_in_output or not stops) else max(len(s) for s in stops) - 1
@@ -67,7 +63,7 @@ class OutputProcessor:
         tokenizer: a Hugging Face tokenizer, or ``None`` (then ``text`` stays empty and stop strings are refused).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
 
@@ -113,8 +109,9 @@ class OutputProcessor:
             state.num_cached_tokens = eco.num_cached_tokens
             finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
             state.token_ids.extend(new_ids)
-            if logprobs is not None and state.logprobs is not None and eco.request_id in logprobs:
-                for token_id, entry in zip(new_ids, logprobs[eco.request_id]):
+            if (logprobs is not None and state.logprobs is not None and state.cumulative_logprob is not None
+                    and eco.request_id in logprobs):
+                for token_id, entry in zip(new_ids, logprobs[eco.request_id], strict=False):
                     state.logprobs.append(entry)
                     state.cumulative_logprob += entry[token_id]
             full_text = ""

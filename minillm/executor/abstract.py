@@ -12,20 +12,35 @@ vLLM counterpart: ``vllm/v1/executor/abstract.py:Executor`` (``execute_model``, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal, overload
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
-    """Runs steps on the model; the engine core's only door to it."""
+    """Runs steps on the model; the engine core's only door to it.
+
+    Attributes:
+        timeline: ``(start, end)`` of each step's execution in ``time.monotonic()`` seconds, recorded while it is a
+            list (the engine core's ``start_timeline`` sets it, ``take_timeline`` reads it and sets ``None``).
+    """
+
+    timeline: list[tuple[float, float]] | None = None
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
         """Whether :meth:`execute_model` can run a step without blocking the caller (needed by async scheduling)."""
         return False
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput,
@@ -33,13 +48,13 @@ class Executor(ABC):
         """Run one step; with ``non_block`` return a future at once. Steps run in the order they were given."""
 
     @abstractmethod
-    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
-                       kwargs: dict | None = None) -> list[Any]:
+    def collective_rpc(self, method: str | Callable[..., object], args: tuple[object, ...] = (),
+                       kwargs: Mapping[str, object] | None = None) -> list[Any]:
         """Call ``worker.method(*args, **kwargs)`` on every worker, or ``method(worker, *args, **kwargs)`` when
         ``method`` is a function; one result per worker, by rank."""
 
-    def check_health(self) -> None:
+    def check_health(self) -> None:  # noqa: B027 - optional: one worker in-process cannot be gone
         """Raise if a worker is gone (one worker in-process: it cannot be)."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional: nothing to release by default
         """Release the workers (and any thread the executor started)."""

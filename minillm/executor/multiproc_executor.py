@@ -1,36 +1,16 @@
-"""Worker processes, one per rank, that run every call together: the executor of tensor parallelism inside the
-engine, and of chapters 7 and 9's jobs.
+"""Worker processes, one per rank, that run every call together: tensor parallelism inside the engine, and the
+distributed jobs of the course.
 
-:class:`MultiprocExecutor` starts ``world_size`` processes (``spawn``). Each joins one gloo group
-(``torch.distributed``), builds its worker (``worker_cls``: the engine's :class:`~minillm.worker.worker.Worker`, with
-its shard of the model and the paged KV cache of its KV heads; or chapters 7 and 9's
-:class:`~minillm.distributed.jobs.JobWorker`, with full models) and then waits for work:
+:class:`MultiprocExecutor` starts ``world_size`` processes (``spawn``) that join one gloo group and build a worker
+each (``worker_cls(rank=r, tp_group=g, **worker_kwargs)``). A call is published once on a ZeroMQ ``XPUB`` socket
+(which sees every rank subscribe, so nothing is sent before all listen) and answered on one ``PULL`` socket; a step
+runs on every rank and only rank 0 answers. A failed or dead rank fails every call, named (a peer's broken
+collective is a symptom: the rank that failed first is waited for up to 2 s); a monitor thread watches the
+processes and the deadlines. vLLM broadcasts through a shared-memory ring buffer on one node
+(``vllm/distributed/device_communicators/shm_broadcast.py:MessageQueue``), which saves a copy per rank.
 
-- :meth:`MultiprocExecutor.collective_rpc` publishes one call **once**: a worker method's name, or a module-level
-  function that each rank runs as ``fn(worker, *args, **kwargs)``; every rank runs it, and every rank answers, or only
-  ``unique_reply_rank``;
-- :meth:`MultiprocExecutor.execute_model` is the engine's step: every rank runs the same
-  :class:`SchedulerOutput` (the all-reduces inside the forward pass keep them in lockstep) and only rank 0
-  (:attr:`MultiprocExecutor.output_rank`) answers with its :class:`ModelRunnerOutput`;
-- a rank that fails answers with its error, and the executor fails every call with it, naming the rank. A peer's
-  broken collective is only a symptom: the executor waits up to 2 s for the rank that failed by itself, or died,
-  and names that one. A monitor thread watches the processes and every call's deadline. The first failure ends
-  the ranks, and every later call raises it again (``error_cls``: the engine passes
-  :class:`~minillm.engine.EngineDeadError`).
-
-The broadcast is a ZeroMQ ``XPUB`` socket (``ipc://``) that every rank subscribes to: one send reaches every rank,
-and the ``XPUB`` side sees each rank's subscription arrive, so nothing is published before every rank listens
-(plain pub/sub would drop the first messages of a slow joiner). Answers come back on one ``PULL`` socket. vLLM uses a
-shared-memory ring buffer for the ranks on its own node and a ZeroMQ ``XPUB`` socket for ranks on other nodes
-(``vllm/distributed/device_communicators/shm_broadcast.py:MessageQueue``); a ring buffer saves a copy per rank,
-which matters for a GPU's microsecond steps, not for a CPU step of tens of milliseconds. The messages are pickled,
-as ``MessageQueue`` pickles them: they go only to this executor's own child processes, over sockets only they can
-open. The workers' arguments (the model) go once through a pipe, their tensors as shared memory.
-
-vLLM counterpart: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``: ``collective_rpc`` with a
-method name or a callable and ``unique_reply_rank``, ``execute_model``, ``output_rank``, ``check_health``, the
-worker monitor, ``WorkerProc`` and its busy loop), and ``vllm/v1/serial_utils.py:run_method`` (a callable runs as
-``fn(worker, *args, **kwargs)``).
+vLLM counterpart: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``: ``collective_rpc``,
+``execute_model``, ``output_rank``, ``check_health``; ``WorkerProc``) and ``vllm/v1/serial_utils.py:run_method``.
 """
 from __future__ import annotations
 
@@ -46,17 +26,22 @@ import time
 import traceback
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_sentinels
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.distributed.parallel_state import check_timeout
 from minillm.executor.abstract import Executor
 from minillm.system_utils import watch_parent
+
+if TYPE_CHECKING:
+    import zmq
 
 # A rank stuck in a collective gives up after timeout_s and says where; a call waits this much longer, so that
 # message comes first, before the executor names the ranks that did not answer at all.
@@ -77,19 +62,19 @@ class WorkerError(RuntimeError):
 class _Call:
     """One call in flight: the ranks whose answer it waits for, what came back, and when it gives up."""
 
-    future: Future
+    future: Future[Any]
     reply_ranks: list[int]
     timeout_s: float
     deadline: float
     single: bool  # one rank answers (unique_reply_rank): the future gets its result, not a list
-    results: dict[int, Any] = field(default_factory=dict)
+    results: dict[int, object] = field(default_factory=dict)
 
 
 class _Calls:
     """The calls in flight and the executor's failure, shared with its two threads (which hold no reference to the
     executor, so deleting it, or the engine around it, stops the ranks)."""
 
-    def __init__(self, procs: list, error_cls: type[Exception]) -> None:
+    def __init__(self, procs: list[BaseProcess], error_cls: type[Exception]) -> None:
         self.procs = procs
         self.error_cls = error_cls
         self.lock = threading.Lock()
@@ -140,7 +125,7 @@ class MultiprocExecutor(Executor):
 
     output_rank = 0
 
-    def __init__(self, world_size: int, worker_cls: type, worker_kwargs: dict[str, Any], seed: int = 0,
+    def __init__(self, world_size: int, worker_cls: type, worker_kwargs: Mapping[str, object], seed: int = 0,
                  num_threads: int | None = None, timeout_s: float = 60.0, start_timeout_s: float = 120.0,
                  error_cls: type[Exception] = WorkerError) -> None:
         import torch
@@ -154,12 +139,11 @@ class MultiprocExecutor(Executor):
         self.timeout_s = check_timeout("timeout_s", timeout_s)
         start_timeout_s = check_timeout("start_timeout_s", start_timeout_s)
         self._call_ids = itertools.count()
-        # (sent, answered) of each step, time.monotonic(), while the engine core records a timeline.
-        self.timeline: list[tuple[float, float]] | None = None
+        self.timeline = None  # (sent, answered) of each step while the engine core records a timeline
 
         base = os.path.join(tempfile.gettempdir(), f"minillm-mp-{uuid.uuid4().hex[:12]}")
         paths = [base + "-rpc", base + "-out", base + "-init"]
-        self._context = zmq.Context()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._broadcast = self._context.socket(zmq.XPUB)
         self._broadcast.setsockopt(zmq.XPUB_VERBOSE, 1)  # every rank's subscription arrives, not only the first
         self._broadcast.setsockopt(zmq.SNDHWM, 0)
@@ -170,8 +154,9 @@ class MultiprocExecutor(Executor):
 
         ctx = torch_mp.get_context("spawn")
         threads = num_threads if num_threads is not None else max(1, torch.get_num_threads() // world_size)
-        self.procs = []
-        death_writers, arg_writers = [], []
+        self.procs: list[BaseProcess] = []
+        death_writers: list[Connection] = []
+        arg_writers: list[Connection] = []
         for rank in range(world_size):
             death_reader, death_writer = ctx.Pipe(duplex=False)
             arg_reader, arg_writer = ctx.Pipe(duplex=False)
@@ -209,7 +194,7 @@ class MultiprocExecutor(Executor):
         for thread in self._threads:
             thread.start()
 
-    def __enter__(self) -> "MultiprocExecutor":
+    def __enter__(self) -> MultiprocExecutor:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -226,9 +211,9 @@ class MultiprocExecutor(Executor):
         return [r for r, p in enumerate(self.procs) if p.is_alive()]
 
     # -- calls ----------------------------------------------------------------------------------------------------
-    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
-                       unique_reply_rank: int | None = None, non_block: bool = False,
-                       timeout_s: float | None = None) -> Any:
+    def collective_rpc(self, method: str | Callable[..., object], args: tuple[object, ...] = (),
+                       kwargs: Mapping[str, object] | None = None, unique_reply_rank: int | None = None,
+                       non_block: bool = False, timeout_s: float | None = None) -> Any:
         """Call ``worker.method(*args, **kwargs)``, or ``method(worker, *args, **kwargs)``, on every rank.
 
         Args:
@@ -255,7 +240,7 @@ class MultiprocExecutor(Executor):
                              f"{unique_reply_rank!r}")
         timeout_s = self.timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         reply_ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
-        future: Future = Future()
+        future: Future[Any] = Future()
         calls = self._calls
         with calls.lock:
             if calls.failure is not None:
@@ -267,11 +252,19 @@ class MultiprocExecutor(Executor):
                                               protocol=pickle.HIGHEST_PROTOCOL))
         return future if non_block else future.result()
 
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """Publish the step to every rank; rank 0's output comes back (the others ran the same step)."""
-        future = self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=self.output_rank,
-                                     non_block=True)
+        future: Future[ModelRunnerOutput] = self.collective_rpc(
+            "execute_model", (scheduler_output,), unique_reply_rank=self.output_rank, non_block=True)
         if self.timeline is not None:
             start, timeline = time.monotonic(), self.timeline
             future.add_done_callback(lambda _: timeline.append((start, time.monotonic())))
@@ -326,7 +319,7 @@ def check_importable_function(fn: object) -> None:
         raise ValueError(f"cannot import {fn!r}'s module {module!r}: {e}") from None
 
 
-def _end_processes(procs: list, terminate_wait_s: float) -> None:
+def _end_processes(procs: list[BaseProcess], terminate_wait_s: float) -> None:
     """Terminate every live process, wait up to ``terminate_wait_s`` for all, then kill the rest (a stopped
     process does not act on SIGTERM until continued; SIGKILL ends it anyway)."""
     for proc in procs:
@@ -341,14 +334,15 @@ def _end_processes(procs: list, terminate_wait_s: float) -> None:
             proc.join(timeout=5)
 
 
-def _wait_until_ready(broadcast: Any, responses: Any, procs: list, timeout_s: float) -> list[Any]:
+def _wait_until_ready(broadcast: zmq.Socket[bytes], responses: zmq.Socket[bytes], procs: list[BaseProcess],
+                      timeout_s: float) -> list[object]:
     """Wait until every rank subscribed to the broadcast and reported its worker built; their descriptions."""
     import zmq
 
     poller = zmq.Poller()
     poller.register(broadcast, zmq.POLLIN)
     poller.register(responses, zmq.POLLIN)
-    subscribed, ready = 0, {}
+    subscribed, ready = 0, dict[int, object]()
     deadline = time.monotonic() + timeout_s
     while subscribed < len(procs) or len(ready) < len(procs):
         dead = [(r, p) for r, p in enumerate(procs) if not p.is_alive()]
@@ -371,13 +365,13 @@ def _wait_until_ready(broadcast: Any, responses: Any, procs: list, timeout_s: fl
     return [ready[r] for r in range(len(procs))]
 
 
-def _dead_rank(procs: list, wait_s: float, reap_lock: threading.Lock) -> str | None:
+def _dead_rank(procs: list[BaseProcess], wait_s: float, reap_lock: threading.Lock) -> str | None:
     """Why a rank is dead, if one dies within ``wait_s`` (``None`` if every rank lives on)."""
     sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
     died = wait_for_sentinels(list(sentinels), timeout=wait_s)
     if not died:
         return None
-    rank = sentinels[died[0]]
+    rank = next(r for sentinel, r in sentinels.items() if sentinel in died)
     with reap_lock:
         procs[rank].join(timeout=1)  # reaped, so the exit code is known
     # Another thread (a caller's own join) may be the one reaping it: its exit code lands a moment later.
@@ -387,7 +381,7 @@ def _dead_rank(procs: list, wait_s: float, reap_lock: threading.Lock) -> str | N
     return f"worker rank {rank} (pid {procs[rank].pid}) died with exit code {procs[rank].exitcode}"
 
 
-def _root_cause(rank: int, error: tuple[bool, str, str], responses: Any, calls: _Calls) -> str:
+def _root_cause(rank: int, error: tuple[bool, str, str], responses: zmq.Socket[bytes], calls: _Calls) -> str:
     """The failure to report, given a rank's error ``(is_collective_error, summary, traceback)``.
 
     A broken collective on a live rank is usually a symptom: its peer died, or failed by itself and never reached
@@ -412,7 +406,7 @@ def _root_cause(rank: int, error: tuple[bool, str, str], responses: Any, calls: 
     return f"worker rank {rank} failed: {summary}{also}\n{tb}"
 
 
-def _read_responses(responses: Any, calls: _Calls) -> None:
+def _read_responses(responses: zmq.Socket[bytes], calls: _Calls) -> None:
     """The response thread: match each rank's answer to its call; a rank's error fails the executor."""
     import zmq
 
@@ -456,7 +450,8 @@ def _monitor_workers(calls: _Calls) -> None:
                 calls.fail(f"worker rank(s) {missing} did not answer within {late[0].timeout_s + _GRACE_S:.0f} s")
 
 
-def _release(procs: list, death_writers: list, paths: list[str], calls: _Calls, context: Any, sockets: list,
+def _release(procs: list[BaseProcess], death_writers: list[Connection], paths: list[str], calls: _Calls,
+             context: zmq.Context[zmq.Socket[bytes]], sockets: list[zmq.Socket[bytes]],
              threads: list[threading.Thread]) -> None:
     """Stop the threads, end every rank (terminate, then kill), close the sockets, remove their files."""
     calls.stop.set()
@@ -478,7 +473,7 @@ def _release(procs: list, death_writers: list, paths: list[str], calls: _Calls, 
 
 
 def _worker_main(rank: int, world_size: int, init_file: str, broadcast_address: str, response_address: str,
-                 death_pipe: Any, args_pipe: Any, worker_cls: type, seed: int, num_threads: int,
+                 death_pipe: Connection, args_pipe: Connection, worker_cls: type, seed: int, num_threads: int,
                  timeout_s: float) -> None:
     """A rank's process: join the group, build the worker, then run every call the executor publishes.
 

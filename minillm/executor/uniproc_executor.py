@@ -1,29 +1,20 @@
 """One worker, in the engine core's process: the executor of a single-device engine.
 
-Synchronous steps call the model runner on the caller's thread. With ``non_block=True`` (async scheduling) a step
-runs on the executor's one thread, so the engine core's thread can schedule the next step meanwhile; one thread
-keeps the steps in order, which async scheduling relies on (step N+1 reads the token step N sampled). PyTorch
-releases the GIL inside its kernels, so the two threads do overlap.
+A blocking step runs on the caller's thread; a non-blocking one (async scheduling) on the executor's one thread, which
+keeps steps in order (step N+1 reads the token step N sampled) while the core plans the next. Given ``model_thread``
+(the engine-core process gives the thread that loaded the model), every call runs there: a second thread running
+ops brings a second OpenMP team onto the same cores.
 
-Given ``model_thread`` (the engine-core process does), every step runs there, blocking or not: the thread that
-loaded the model and allocated the KV cache. Every thread that runs PyTorch ops gets an OpenMP team of its own,
-and two teams on the same cores slow each other down (each spins while it waits for work): measured on 2 cores, a
-SmolLM2 decode step took 1.4-1.7x as long on a second thread as on the thread that had loaded the model.
-
-The thread is the CPU's stand-in for what overlaps steps on a GPU. vLLM v0.33.0's
-``vllm/v1/executor/uniproc_executor.py:UniProcExecutor`` has no thread: ``collective_rpc`` runs the worker's method
-inline, and with ``non_block=True`` wraps the runner's ``AsyncModelRunnerOutput`` in an ``AsyncOutputFuture`` whose
-``result()`` waits for the device-to-host copy. The runner only *launches* the GPU's work and returns, so the busy
-loop can plan step N+1 while the GPU still runs step N in stream order. A CPU runner computes while it is called, so
-here the step itself must leave the caller's thread.
+vLLM counterpart: ``vllm/v1/executor/uniproc_executor.py:UniProcExecutor``, which has no thread: its GPU runner only
+launches the step's kernels and returns, and ``non_block`` waits on the device-to-host copy instead.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, Literal, overload
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.executor.abstract import Executor
@@ -41,10 +32,9 @@ class UniProcExecutor(Executor):
 
     def __init__(self, worker: Worker, model_thread: ThreadPoolExecutor | None = None) -> None:
         self.driver_worker = worker
-        self._thread: ThreadPoolExecutor | None = model_thread
-        self._always_on_thread = model_thread is not None
-        # (start, end) of each step's execution, time.monotonic(), while the engine core records a timeline.
-        self.timeline: list[tuple[float, float]] | None = None
+        self._model_thread = model_thread  # every call runs there
+        self._thread: ThreadPoolExecutor | None = None  # started for the first non-blocking step without one
+        self.timeline = None
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.timeline is None:
@@ -59,10 +49,18 @@ class UniProcExecutor(Executor):
     def supports_async_scheduling(cls) -> bool:
         return True
 
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        if self._always_on_thread:
-            future = self._thread.submit(self._execute, scheduler_output)
+        if self._model_thread is not None:
+            future = self._model_thread.submit(self._execute, scheduler_output)
             return future if non_block else future.result()
         if not non_block:
             return self._execute(scheduler_output)
@@ -70,14 +68,15 @@ class UniProcExecutor(Executor):
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-executor")
         return self._thread.submit(self._execute, scheduler_output)
 
-    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
-                       kwargs: dict | None = None) -> list[Any]:
+    def collective_rpc(self, method: str | Callable[..., object], args: tuple[object, ...] = (),
+                       kwargs: Mapping[str, object] | None = None) -> list[Any]:
         fn = getattr(self.driver_worker, method) if isinstance(method, str) else partial(method, self.driver_worker)
-        if self._always_on_thread:
-            return [self._thread.submit(fn, *args, **(kwargs or {})).result()]
+        if self._model_thread is not None:
+            return [self._model_thread.submit(fn, *args, **(kwargs or {})).result()]
         return [fn(*args, **(kwargs or {}))]
 
     def shutdown(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+        for thread in (self._thread, self._model_thread):
+            if thread is not None:
+                thread.shutdown(wait=True)
+        self._thread = self._model_thread = None

@@ -1,19 +1,14 @@
 """The block table of the persistent batch: one row of KV block ids per batch slot, kept from step to step.
 
-Row ``i`` belongs to the request in slot ``i`` of the :class:`~minillm.worker.input_batch.InputBatch`. Its first
-``num_blocks_per_row[i]`` entries are that request's blocks in token order; the rest of the row is 0, the null
-block, which is also what :func:`~minillm.worker.model_runner.prepare_inputs` pads short rows with, so a slice of
-the table is the step's ``block_table`` as it is. A step appends a request's new blocks to its row instead of
-rebuilding the table::
+Row ``i`` holds the blocks of the request in slot ``i`` of the :class:`~minillm.worker.input_batch.InputBatch`, then
+0s (the null block), so a slice of the table is the step's ``block_table``. A step appends new blocks to a row::
 
     row 2 before: [5, 2, 9, 0, 0, 0]   num_blocks_per_row[2] = 3
     append_row([11], 2)
     row 2 after:  [5, 2, 9, 11, 0, 0]  num_blocks_per_row[2] = 4
 
 vLLM counterpart: ``vllm/v1/worker/block_table.py`` (``BlockTable``: ``append_row``, ``add_row``, ``clear_row``,
-``move_row``, ``swap_row``). vLLM keeps a pinned CPU copy and a GPU copy of the table, computes the slot mapping
-with a Triton kernel on the GPU, and has one table per KV cache group (``MultiGroupBlockTable``); here the table is
-one NumPy array and the runner computes the slot mapping.
+``move_row``, ``swap_row``), with a pinned CPU and a GPU copy and one table per KV cache group.
 """
 from __future__ import annotations
 

@@ -1,31 +1,16 @@
 """The persistent batch: the running requests' tokens, context lengths and block tables, kept in per-slot NumPy
 buffers on the worker and updated in place from step to step.
 
-Each request the runner is running owns one **slot** (a row index). Slot ``i`` holds, in place:
-
-- ``token_ids_cpu[i, :num_tokens_no_spec[i]]``: its prompt then its outputs (then, only while a step verifies them,
-  its draft tokens right after);
-- ``num_prompt_tokens[i]`` and ``num_computed_tokens_cpu[i]`` (whose K/V are in the cache before this step);
-- row ``i`` of the :class:`~minillm.worker.block_table.BlockTable`: its KV block ids.
-
-A step then only writes what changed: a new request's row, a few new block ids, the one token each request sampled.
-The flat batch is gathered from the buffers with NumPy fancy indexing (``token_ids_cpu`` at ``(slot, position)``
-for every scheduled token), so no request's token history is copied per step. When requests leave, their slots
-become holes; :meth:`InputBatch.add_request` fills the lowest hole first, and :meth:`InputBatch.condense` moves the
-last requests down into the holes left, so the requests always sit in slots ``0 .. num_reqs - 1``::
+Slot ``i`` holds a request's ``token_ids_cpu[i]`` (prompt, outputs, then drafts while they are verified),
+``num_prompt_tokens[i]``, ``num_computed_tokens_cpu[i]`` and its block-table row; a step writes only what changed, and
+the flat batch is gathered with fancy indexing. A freed slot is a hole, filled lowest first; :meth:`InputBatch.condense`
+moves the last requests down so they sit in slots ``0 .. num_reqs - 1``::
 
     slots    0  1  2  3  4        remove B and D        condense: E moves into 1
     before   A  B  C  D  E   ->   A  .  C  .  E   ->   A  E  C
 
-Only the model's inputs live here. Sampling parameters, seeded generators and the token lists the sampler and the
-n-gram drafter read stay in the runner's :class:`~minillm.worker.model_runner.CachedRequestState` (vLLM keeps
-both too).
-
 vLLM counterpart: ``vllm/v1/worker/gpu_input_batch.py`` (``InputBatch``: ``add_request``, ``remove_request``,
-``swap_states``, ``condense``, ``update_req_spec_token_ids``, ``token_ids_cpu``, ``num_tokens_no_spec``,
-``num_prompt_tokens``, ``num_computed_tokens_cpu``, ``req_id_to_index``). vLLM also keeps per-slot sampling
-parameters (temperature, top-p, top-k, penalties) as CPU and GPU tensors, rebuilt into its ``SamplingMetadata``
-only when the batch changes, and tracks every move for its logits processors (``BatchUpdateBuilder``).
+``condense``, ``token_ids_cpu``, ``num_computed_tokens_cpu``); vLLM keeps the sampling parameters per slot too.
 """
 from __future__ import annotations
 

@@ -1,61 +1,32 @@
-"""The model runner: one :class:`SchedulerOutput` in, one forward pass over every scheduled token, one token out per
-request.
+"""The model runner: one :class:`SchedulerOutput` in, one forward pass over every scheduled token, tokens out.
 
-Each step it
-
-1. updates its own copy of the requests (:class:`CachedRequestState`) and the **persistent batch**
-   (:class:`~minillm.worker.input_batch.InputBatch`, per-slot buffers of tokens, context lengths and block-table
-   rows) from the step's diffs alone: drops finished ones, adds new ones, appends new blocks, and resets resumed
-   ones (preempted earlier, recomputed from scratch now). Nothing else crosses from the scheduler, so the
-   ``SchedulerOutput`` may come from another process;
-2. builds one **flat batch** (:class:`BatchInputs`) from all scheduled tokens of all requests, prefill chunks and
-   decodes together: ``input_ids`` and ``positions`` ``[num_tokens]``; per request ``query_start_loc``,
-   ``seq_lens`` and a ``block_table`` row; per token the ``slot_mapping`` where its K/V goes; and
-   ``logits_indices``, the last scheduled token of each request. :func:`prepare_inputs` builds it from the request
-   states (exercise 6.1); the runner gathers the same batch from the persistent buffers with one fancy-indexing
-   pass, unless a learner's ``prepare_inputs`` is plugged in (chapter 8);
-3. runs the model once over the batch, with attention through the paged KV cache (backend ``"torch"``:
-   :class:`~minillm.attention.torch_sdpa.TorchSDPAAttention`; ``"triton"``: the chapter-3 kernels through
-   :class:`~minillm.attention.paged.PagedAttention`);
-4. computes logits at ``logits_indices`` for **every** scheduled request and samples them all in one
-   :class:`~minillm.sample.sampler.Sampler` call (``sampled_token_ids`` int32 ``[num_reqs, 1]``), then discards the
-   token of each request still mid-prefill (``discard_request_mask``: its next token is already known, it is its own
-   prompt) and appends the others to their requests. A seeded request's generator is rewound after a discarded
-   draw, so chunking the prompt does not change what it samples later;
-5. with a KV connector (chapter 9): before the forward pass its worker side loads the K/V the scheduler counted as
-   computed (``start_load_kv``), every attention layer waits for its loads and saves its K/V
-   (:class:`~minillm.distributed.kv_transfer.kv_transfer_utils.KVConnectorAttention`), and after it the saves are
-   submitted (``wait_for_save``) and finished transfers reported back (``KVConnectorOutput``);
-6. with speculative decoding (``speculative_config``): a request's scheduled tokens end with its draft tokens, the
-   logits of its last ``drafts + 1`` rows go to the :class:`~minillm.sample.rejection_sampler.RejectionSampler`,
-   which keeps the drafts the model agrees with and adds one token of its own; then the
-   :class:`~minillm.spec_decode.ngram_proposer.NgramProposer` drafts the next step's tokens.
+Each step it updates its requests (:class:`CachedRequestState`) and the persistent batch from the plan's diffs alone
+(``_update_states``), builds one flat batch of every scheduled token (:class:`BatchInputs`: ``input_ids``,
+``positions``, ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``, ``logits_indices``), runs the
+model once through the paged KV cache, samples every request and discards the rows of those still mid-prefill
+(``discard_request_mask``; a seeded generator is rewound after such a draw). With drafts the
+:class:`~minillm.sample.rejection_sampler.RejectionSampler` verifies them and an n-gram proposer drafts the next
+ones; with a KV connector its worker side loads and saves K/V around the forward pass.
 
 vLLM counterpart: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``: ``_update_states``,
-``_prepare_inputs``, ``execute_model``) with ``vllm/v1/worker/gpu_input_batch.py`` (``CachedRequestState``,
-``InputBatch``) and ``vllm/v1/worker/block_table.py``. The discarded rows are vLLM v0.33.0's: its V1 runner sets
-``discard_request_mask`` where ``seq_len < num_tokens`` (``vllm/v1/worker/gpu_model_runner.py:
-GPUModelRunner._prepare_inputs``), samples every request, then in ``GPUModelRunner._bookkeeping_sync`` clears those
-rows' tokens and rewinds each one's seeded generator (``gen.set_offset(gen.get_offset() - 4)``). Model Runner V2
-(``vllm/v1/worker/gpu/``) also samples every request (``vllm/v1/worker/gpu/sample/sampler.py:Sampler.__call__``) and
-sets ``num_sampled`` to 0 where ``seq_len < prefill_len`` (``vllm/v1/worker/gpu/input_batch.py:
-get_num_sampled_and_rejected``); its seeded noise is a hash of (seed, position) (``gpu/sample/gumbel.py``), so
-there is no generator to rewind. vLLM's persistent buffers are pinned CPU tensors copied to the GPU each step, and
-it adds CUDA graphs, ``torch.compile``, draft-model and EAGLE speculative decoding, LoRA, multimodal inputs and
-pipeline/tensor parallelism.
+``_prepare_inputs``, ``execute_model``, ``_bookkeeping_sync``, which clears the discarded rows); Model Runner V2
+(``vllm/v1/worker/gpu/``) seeds its noise by position and has no generator to rewind.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Required, TypedDict
 
 import numpy as np
 import torch
 
+from minillm.attention.backend import AttentionImpl
 from minillm.attention.metadata import AttentionMetadata
 from minillm.attention.paged import BACKENDS, PagedAttention, allocate_kv_caches
 from minillm.attention.torch_sdpa import TorchSDPAAttention
+from minillm.config import SpeculativeConfig
 from minillm.core.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from minillm.distributed.kv_transfer.base import KVConnectorBase_V1
 from minillm.distributed.kv_transfer.kv_transfer_utils import KVConnectorAttention
@@ -206,8 +177,8 @@ def prepare_inputs(scheduler_output: SchedulerOutput, requests: dict[str, Cached
     # Mid-prefill: this step ends before the request's known tokens do (drafts count as known: they are the
     # last scheduled tokens), so the token predicted at its last row is already known. vLLM v0.33.0:
     # discard_request_mask = seq_lens < num_tokens (gpu_model_runner.py:GPUModelRunner._prepare_inputs).
-    discard_request_mask = seq_lens < np.fromiter((len(s.token_ids) + len(d) for s, d in zip(states, drafts)),
-                                                  dtype=np.int64, count=num_reqs)
+    discard_request_mask = seq_lens < np.fromiter(
+        (len(s.token_ids) + len(d) for s, d in zip(states, drafts, strict=True)), dtype=np.int64, count=num_reqs)
 
     dev = device
     md = AttentionMetadata(
@@ -222,6 +193,24 @@ def prepare_inputs(scheduler_output: SchedulerOutput, requests: dict[str, Cached
                        torch.from_numpy(cu - 1).to(dev), discard_request_mask, drafts)
 
 
+class ModelRunnerArgs(TypedDict, total=False):
+    """:class:`ModelRunner`'s keyword arguments, as the engine core hands them to each worker."""
+
+    num_blocks: Required[int]
+    block_size: Required[int]
+    attention_backend: str
+    kv_cache_dtype: torch.dtype | None
+    eos_token_id: int | None
+    speculative_config: SpeculativeConfig | None
+    attention_fn: Callable[..., torch.Tensor] | None
+    top_k_top_p: Callable[..., torch.Tensor]
+    prepare_inputs_fn: Callable[..., BatchInputs]
+    kv_connector: KVConnectorBase_V1 | None
+    max_num_reqs: int | None
+    max_model_len: int | None
+    num_kv_heads: int | None
+
+
 class ModelRunner:
     """Owns the paged KV cache and runs the model on scheduler outputs.
 
@@ -233,8 +222,8 @@ class ModelRunner:
         attention_backend: ``"torch"`` or ``"triton"``.
         kv_cache_dtype: the cache's dtype (default: the model's).
         eos_token_id: the EOS id that ``min_tokens`` blocks (default: the model config's).
-        speculative_config: ``None``, or a checked n-gram config (see
-            :func:`~minillm.engine.arg_utils.parse_speculative_config`): propose drafts after each step.
+        speculative_config: ``None``, or a :class:`~minillm.config.SpeculativeConfig`: propose drafts after each
+            step.
         attention_fn: ``None`` for the configured backend, or exercise 1.2's ``(q, k, v, ctx_len) -> out``, run
             request by request over its gathered paged K/V (chapter 8 hands a learner's down here).
         top_k_top_p: the sampler's top-k/top-p filter (exercise 5.1's signature; default: the package's).
@@ -263,9 +252,10 @@ class ModelRunner:
         last_step_seconds: wall time of the latest :meth:`execute_model`.
     """
 
-    def __init__(self, model: LlamaForCausalLM | TensorParallelLlamaForCausalLM, num_blocks: int, block_size: int, attention_backend: str = "torch",
-                 kv_cache_dtype: torch.dtype | None = None, eos_token_id: int | None = None,
-                 speculative_config: dict | None = None, attention_fn: Callable[..., torch.Tensor] | None = None,
+    def __init__(self, model: LlamaForCausalLM | TensorParallelLlamaForCausalLM, num_blocks: int, block_size: int,
+                 attention_backend: str = "torch", kv_cache_dtype: torch.dtype | None = None,
+                 eos_token_id: int | None = None, speculative_config: SpeculativeConfig | None = None,
+                 attention_fn: Callable[..., torch.Tensor] | None = None,
                  top_k_top_p: Callable[..., torch.Tensor] = apply_top_k_top_p,
                  prepare_inputs_fn: Callable[..., BatchInputs] = prepare_inputs,
                  kv_connector: KVConnectorBase_V1 | None = None, max_num_reqs: int | None = None,
@@ -286,9 +276,8 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.drafter: NgramProposer | None = None
         if speculative_config is not None:
-            self.drafter = NgramProposer(speculative_config["prompt_lookup_min"],
-                                         speculative_config["prompt_lookup_max"],
-                                         speculative_config["num_speculative_tokens"])
+            self.drafter = NgramProposer(speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max,
+                                         speculative_config.num_speculative_tokens)
         self.requests: dict[str, CachedRequestState] = {}
         if max_num_reqs is None:
             # Every scheduled request computes at least its last token into a block of its own, so no more than
@@ -324,7 +313,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
-            if isinstance(params, SamplingParams) and params.sampling_type == SamplingType.RANDOM_SEED:
+            if params.sampling_type == SamplingType.RANDOM_SEED and params.seed is not None:
                 gen = make_generator(params.seed, self.device)
             state = CachedRequestState(new.req_id, len(new.prompt_token_ids), params, list(new.prompt_token_ids),
                                        list(new.block_ids), new.num_computed_tokens, gen)
@@ -411,9 +400,10 @@ class ModelRunner:
         return BatchInputs(req_ids, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
                            torch.from_numpy(cu - 1).to(dev), discard_request_mask, drafts)
 
-    def make_attention(self, md: AttentionMetadata):
+    def make_attention(self, md: AttentionMetadata) -> AttentionImpl:
         """The :class:`~minillm.attention.backend.AttentionImpl` of one step: ``attention_fn`` request by request
         when it is set, else the configured backend; wrapped in the KV connector's layer hooks when there is one."""
+        attn: AttentionImpl
         if self.attention_fn is not None:
             attn = PagedAttention(self.kv_caches, md, backend="torch", attend=self.attention_fn)
         elif self.attention_backend == "torch":
@@ -444,8 +434,11 @@ class ModelRunner:
             return self._execute_model(scheduler_output)
         # The connector's step: bind the plan, load before the forward pass (layers save during it), then submit
         # the saves and report what finished. vLLM: KVConnectorModelRunnerMixin._get_kv_connector_output.
-        connector = self.kv_connector
-        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        connector, meta = self.kv_connector, scheduler_output.kv_connector_metadata
+        if meta is None:
+            raise ValueError("a runner with a KV connector needs each plan's kv_connector_metadata: give the scheduler "
+                             "the connector's scheduler side (Scheduler.set_kv_connector)")
+        connector.bind_connector_metadata(meta)
         try:
             connector.start_load_kv()
             output = self._execute_model(scheduler_output)
@@ -473,7 +466,7 @@ class ModelRunner:
         # A discarded draw must not advance a seeded request's generator, or its later samples would depend on how
         # its prompt was chunked. vLLM rewinds the CUDA Philox offset by the 4 one draw takes; restoring the saved
         # state is the same thing, exact for any generator (CPU ones have no offset).
-        rewind = {i: states[i].generator.get_state() for i in discard if states[i].generator is not None}
+        rewind = {i: (gen, gen.get_state()) for i in discard if (gen := states[i].generator) is not None}
         md = self._sampling_metadata(states)
         if any(inputs.draft_token_ids):
             out = self._verify_drafts(hidden, inputs, md)
@@ -482,13 +475,13 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_reqs, vocab]
             out = self.sampler(logits, md)
             sampled = out.sampled_token_ids.tolist()  # [num_reqs][1]
-        for i, state in rewind.items():
-            states[i].generator.set_state(state)
+        for gen, gen_state in rewind.values():
+            gen.set_state(gen_state)
         self.last_sampler_output = out
         for i in discard:
             sampled[i] = []  # mid-prefill: the token never reaches the request (vLLM clears the row too)
         batch = self.input_batch
-        for s, tokens in zip(states, sampled):
+        for s, tokens in zip(states, sampled, strict=True):
             s.token_ids.extend(tokens)
             batch.append_token_ids(batch.req_id_to_index[s.req_id], tokens)  # in place, as vLLM's bookkeeping
 
@@ -499,8 +492,8 @@ class ModelRunner:
             for k, s in enumerate(states):
                 n = s.sampling_params.logprobs
                 if n is not None and sampled[k]:
-                    logprobs[s.req_id] = [dict(zip(ids[k][:n + 1], lps[k][:n + 1]))]
-        for rid, seq_len in zip(inputs.req_ids, inputs.attn_metadata.seq_lens.tolist()):
+                    logprobs[s.req_id] = [dict(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True))]
+        for rid, seq_len in zip(inputs.req_ids, inputs.attn_metadata.seq_lens.tolist(), strict=True):
             self.requests[rid].num_computed_tokens = seq_len  # the scheduler sends the true value (drafts) next step
             batch.num_computed_tokens_cpu[batch.req_id_to_index[rid]] = seq_len
         draft_token_ids = self._propose_drafts(inputs.req_ids, sampled) if self.drafter is not None else None
@@ -518,7 +511,7 @@ class ModelRunner:
         """
         drafts = inputs.draft_token_ids
         ends = inputs.logits_indices.tolist()  # each request's last row
-        sel = torch.tensor([j for e, d in zip(ends, drafts) for j in range(e - len(d), e + 1)],
+        sel = torch.tensor([j for e, d in zip(ends, drafts, strict=True) for j in range(e - len(d), e + 1)],
                            dtype=torch.long, device=self.device)
         # Without a query_start_loc, make() lays each request's d + 1 rows side by side, as sel does: its
         # logits_indices are 0 .. len(sel) - 1, the rows of hidden[sel] in order.
@@ -531,14 +524,14 @@ class ModelRunner:
         room for (the token the next step samples itself included)."""
         assert self.drafter is not None
         drafts: list[list[int]] = []
-        for rid, tokens in zip(req_ids, sampled):
+        for rid, tokens in zip(req_ids, sampled, strict=True):
             state = self.requests[rid]
-            max_tokens = getattr(state.sampling_params, "max_tokens", None)
+            max_tokens = state.sampling_params.max_tokens
             room = self.drafter.k if max_tokens is None else max_tokens - len(state.output_token_ids) - 1
             drafts.append(self.drafter.propose(state.token_ids)[:room] if tokens and room > 0 else [])
         return drafts
 
-    def remove_requests(self, request_ids) -> None:
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Drop the runner's state of these requests, in the persistent batch too (the engine calls it as soon as
         they finish; the next step's ``finished_req_ids`` names them again, which is then a no-op)."""
         for rid in request_ids:

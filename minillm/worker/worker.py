@@ -1,36 +1,25 @@
 """One rank of the engine: its shard of the model, its share of the paged KV cache, and the model runner that steps
 them.
 
-With one rank (:class:`~minillm.executor.uniproc_executor.UniProcExecutor`) the worker holds the whole model. With
-tensor parallelism (:class:`~minillm.executor.multiproc_executor.MultiprocExecutor`, one process per rank) rank
-``r`` holds chapter 9's shard (:class:`~minillm.model.llama_tp.TensorParallelLlamaForCausalLM`: its query heads,
-the KV heads they read, its slice of the MLP and of the vocabulary) and its paged KV cache stores only those KV
-heads: ``[num_blocks, block_size, num_kv_heads / tp_size, head_dim]`` per layer (one replicated head when ranks
-outnumber KV heads, as vLLM does).
-
-Every rank runs every step on the same :class:`~minillm.core.sched.output.SchedulerOutput`: one scheduler, one
-block table, the same slot mapping everywhere, because a block id names the same tokens on every rank, only fewer
-heads of them. A KV connector's worker side runs on every rank too, each moving its own KV heads
-(:meth:`~minillm.distributed.kv_transfer.base.KVConnectorBase_V1.bind_tensor_parallel`). The logits are
-all-gathered, so every rank holds all of them and samples with the same seeds: each
-rank's persistent batch appends the same token without anyone sending it. Only rank 0's
-:class:`~minillm.core.sched.output.ModelRunnerOutput` goes back to the engine core.
+With one rank the worker holds the whole model; with tensor parallelism rank ``r`` holds its shard
+(:class:`~minillm.model.llama_tp.TensorParallelLlamaForCausalLM`) and caches only its KV heads. Every rank runs every
+step on the same plan (a block id names the same tokens everywhere), all-gathers the logits and samples with the
+same seeds, so each appends the same token unprompted; only rank 0's output returns. vLLM sizes each GPU's cache from
+its free memory and takes the minimum over the ranks; here every rank has the same budget.
 
 vLLM counterpart: ``vllm/v1/worker/gpu_worker.py:Worker`` (``init_device``, ``load_model``,
-``determine_available_memory``, ``execute_model``) around its ``GPUModelRunner``; every TP rank samples
-(``LogitsProcessor._gather_logits`` all-gathers the logits) and ``MultiprocExecutor.output_rank`` names the one
-whose output returns. vLLM sizes the KV cache from each GPU's free memory and takes the minimum over the ranks;
-here every rank has the same budget, so every rank gets the same number of blocks.
+``determine_available_memory``, ``execute_model``).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Unpack
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.distributed.parallel_state import TensorParallelGroup
 from minillm.model.llama import LlamaForCausalLM
-from minillm.model.llama_tp import TensorParallelLlamaForCausalLM
-from minillm.worker.model_runner import ModelRunner
+from minillm.model.llama_tp import TensorParallelDecoderLayer, TensorParallelLlamaForCausalLM
+from minillm.model.parallel_layers import QKVParallelLinear
+from minillm.worker.model_runner import ModelRunner, ModelRunnerArgs
 
 
 class Worker:
@@ -49,17 +38,19 @@ class Worker:
     """
 
     def __init__(self, model: LlamaForCausalLM, rank: int = 0, tp_group: TensorParallelGroup | None = None,
-                 **runner_kwargs: Any) -> None:
+                 **runner_kwargs: Unpack[ModelRunnerArgs]) -> None:
         self.rank = rank
         self.tp_group = tp_group
         self.tp_size = 1 if tp_group is None else tp_group.world_size
-        if self.tp_size > 1:
-            model = TensorParallelLlamaForCausalLM(model, tp_group)
-            runner_kwargs["num_kv_heads"] = model.num_kv_heads
+        if tp_group is not None and self.tp_size > 1:
+            shard = TensorParallelLlamaForCausalLM(model, tp_group)
+            runner_kwargs["num_kv_heads"] = shard.num_kv_heads
             connector = runner_kwargs.get("kv_connector")
             if connector is not None:  # this rank's own copy of the worker side: it moves only this rank's heads
-                connector.bind_tensor_parallel(tp_group, model.model.layers[0].self_attn.qkv_proj.kv_heads)
-        self.model_runner = ModelRunner(model, **runner_kwargs)
+                connector.bind_tensor_parallel(tp_group, _qkv_proj(shard).kv_heads)
+            self.model_runner = ModelRunner(shard, **runner_kwargs)
+        else:
+            self.model_runner = ModelRunner(model, **runner_kwargs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on this rank (every rank runs every step; the executor keeps rank 0's output)."""
@@ -72,13 +63,13 @@ class Worker:
     def check_health(self) -> None:
         """Nothing to check inside a live process: the executor watches the processes themselves."""
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         """What this rank holds: its heads, its KV cache's shape and bytes, its weights' bytes, what it has sent (and
         what its KV connector moved, if it has one)."""
         runner = self.model_runner
         key_cache = runner.kv_caches[0][0]
         model = runner.model
-        info: dict[str, Any] = {
+        info: dict[str, object] = {
             "rank": self.rank, "tp_size": self.tp_size,
             "kv_cache_shape": tuple(key_cache.shape),
             "kv_cache_bytes": sum(k.numel() * k.element_size() + v.numel() * v.element_size()
@@ -86,10 +77,17 @@ class Worker:
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         }
         if isinstance(model, TensorParallelLlamaForCausalLM):
-            attn = model.model.layers[0].self_attn.qkv_proj
+            attn = _qkv_proj(model)
             info.update(query_heads=list(attn.query_heads), kv_heads=list(attn.kv_heads))
         if self.tp_group is not None:
             info.update(self.tp_group.stats())
         if runner.kv_connector is not None and hasattr(runner.kv_connector, "stats"):
             info["kv_connector_stats"] = dict(runner.kv_connector.stats)
         return info
+
+
+def _qkv_proj(shard: TensorParallelLlamaForCausalLM) -> QKVParallelLinear:
+    """The first layer's QKV projection: which query and KV heads this rank holds (the same in every layer)."""
+    layer = shard.model.layers[0]
+    assert isinstance(layer, TensorParallelDecoderLayer)
+    return layer.self_attn.qkv_proj

@@ -1,35 +1,16 @@
 """Async scheduling: plan step N+1 while step N still runs.
 
-With the synchronous :class:`~minillm.core.sched.scheduler.Scheduler` the engine core does, one after another:
-schedule, run the model, update from its output, and only then schedule again, so the CPU work of scheduling (and of
-sending the outputs) adds to every step's time while the model waits. The engine core's batch queue
-(``EngineCore.step_with_batch_queue``) instead schedules step N+1 as soon as step N has been handed to the executor.
-Step N+1 must then ask for a token it does not know yet: the one step N is sampling.
+Step N+1 must ask for the token step N is still sampling: an **output placeholder**. Scheduling a step that samples
+adds one to a request's ``num_output_placeholders``, its token coming back takes one off, so meanwhile the request
+asks for ``num_tokens + num_output_placeholders - num_computed_tokens = 1`` token, whose input id the worker has
+appended itself by then. A request whose step in flight samples its last token is not scheduled again; a step's
+output for a request that already finished is dropped; a request rolled back with a step in flight drops that
+step's tokens as stale (``Request.num_stale_output_tokens``) and samples them again.
 
-That token is an **output placeholder**. After scheduling a step that samples (a decode, or the last chunk of a
-prefill), a request's ``num_output_placeholders`` grows by one; when the token comes back it shrinks by one. So
-between the two, ``num_computed_tokens`` is one ahead of ``num_tokens``, and the running request asks for
-
-.. math::  \\text{num\\_new\\_tokens} = \\text{num\\_tokens} + \\text{num\\_output\\_placeholders} -
-           \\text{num\\_computed\\_tokens} = 1
-
-(the placeholder's position), whose input id the worker already has when step N+1 runs: it appended step N's sampled
-token itself, and one executor thread runs the steps in order. Three consequences, each handled here or in the base
-scheduler:
-
-* a request whose step in flight samples its ``max_tokens``-th token is not scheduled again;
-* a request that finishes on a token (EOS, a stop id) has already been scheduled once more: that step's output for it
-  arrives after it finished, and is dropped (the scheduler no longer knows it);
-* a request rolled back while a step is in flight for it (preempted, or a KV load it counted on failed) loses that
-  step's token: its placeholders go back to 0, the in-flight tokens become stale output
-  (``Request.num_stale_output_tokens``) that ``update_from_output`` drops when it comes back, and it samples them
-  again after recomputing (``Scheduler._drop_in_flight_outputs``).
-
-vLLM counterpart: ``vllm/v1/core/sched/async_scheduler.py:AsyncScheduler._update_after_schedule``, and in
-``vllm/v1/core/sched/scheduler.py`` the placeholder terms of ``Scheduler.schedule`` and
-``Scheduler._update_request_with_output`` (v0.33.0 decrements the placeholders in the base class). vLLM v0.33.0
-delivers a preempted request's stale tokens (to keep draft acceptance unperturbed) and supports drafts under async
-scheduling; minillm's n-gram drafts are, as in vLLM's V1 runner, incompatible with it.
+vLLM counterpart: ``vllm/v1/core/sched/async_scheduler.py:AsyncScheduler._update_after_schedule``, with the
+placeholder terms of ``Scheduler.schedule`` in ``vllm/v1/core/sched/scheduler.py``; v0.33.0 delivers a preempted
+request's stale tokens instead, and runs drafts under async scheduling (minillm's n-gram drafts, like its V1 runner's,
+cannot).
 """
 from __future__ import annotations
 

@@ -12,10 +12,11 @@ encoder inputs, LoRA and structured-output fields, left out here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from minillm.distributed.kv_transfer.base import KVConnectorMetadata
 from minillm.engine import EngineCoreOutput  # noqa: F401  (the scheduler's per-request result; a wire type)
 from minillm.request import Request
+from minillm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -35,13 +36,13 @@ class NewRequestData:
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: Any
+    sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
     num_external_computed_tokens: int = 0
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: list[int]) -> "NewRequestData":
+    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
         return cls(request.request_id, list(request.prompt_token_ids), request.sampling_params, list(block_ids),
                    request.num_computed_tokens)
 
@@ -105,10 +106,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    kv_connector_metadata: Any = None
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @classmethod
-    def make_empty(cls) -> "SchedulerOutput":
+    def make_empty(cls) -> SchedulerOutput:
         return cls([], CachedRequestData(), {}, 0)
 
 

@@ -1,56 +1,35 @@
 """The scheduler: each step, decide which requests run and how many tokens each computes.
 
-There is no prefill phase and no decode phase. A request has ``num_tokens`` (prompt + outputs so far) and
-``num_computed_tokens`` (tokens whose K/V are in the cache); each step it needs ``num_tokens - num_computed_tokens``
-more. A new prompt needs hundreds, a decode needs one, a resumed request needs its prompt *and* its outputs again.
-One step, in this order:
-
-1. **RUNNING requests first**, in queue order. Each gets ``min(what it needs, long_prefill_token_threshold, the
-   budget left)`` tokens and KV slots for them. When the KV cache cannot hold them, a running request is
-   preempted by recompute (FCFS: the last one; priority: the one with the largest ``(priority, arrival_time)``):
-   its blocks are freed, ``num_computed_tokens`` goes back to 0 and it returns to the front of the waiting queue.
-   This repeats until the allocation fits or the request has preempted itself.
-2. **WAITING requests next**, only if nothing was preempted in this step, in policy order (FCFS queue or priority
-   heap), while the budget, the seats (``max_num_seqs``) and the KV cache last. A prefix-cache hit skips the
-   cached part; a prompt that does not fit the budget left is chunked (or, with chunked prefill off, admission
-   stops).
-3. ``num_computed_tokens`` advances right away by what was scheduled, so the next step can schedule the next chunk.
-
-With speculative decoding a running request also carries ``spec_token_ids``, drafts of its next tokens: it asks
-for ``num_tokens_with_spec - num_computed_tokens`` tokens (its last sampled token plus the drafts), and after the
-step ``num_computed_tokens`` is moved back by the number of drafts the model rejected (their K/V slots are simply
-overwritten later).
-
-The budget ``max_num_batched_tokens`` covers *all* tokens of the step, including those of requests admitted from
-the waiting queue in this very step: they are moved to RUNNING and run in this step's forward pass.
-
-With a KV connector (chapter 9, :mod:`minillm.distributed.kv_transfer`) a waiting request's computed tokens are
-its prefix-cache hit *plus* what the connector can load from another engine
-(``connector.get_num_new_matched_tokens``): both count as computed, so a decode engine that receives a prompt's K/V
-schedules only its last token. A request whose K/V has not arrived yet stays waiting while others are admitted. A
-finished request whose K/V is still being sent keeps its blocks until the connector reports the send done.
+There is no prefill or decode phase: a request needs ``num_tokens - num_computed_tokens`` more tokens. One step
+serves the RUNNING requests first (each up to ``long_prefill_token_threshold`` and the budget left, preempting by
+recompute when the KV cache is short), then, if nothing was preempted, admits WAITING ones in policy order while the
+budget, the seats and the cache last; ``num_computed_tokens`` advances at once. The budget counts the requests
+admitted in this very step. Drafts (speculative decoding) are scheduled with their request and the rejected ones
+rolled back; with a KV connector a waiting request counts the tokens it can load from another engine as computed.
 
 vLLM counterpart: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``, ``_preempt_request``,
-``update_from_output``, ``update_draft_token_ids``, ``finish_requests``, ``reset_prefix_cache``, and for KV transfer
-``_free_request``, ``_update_from_kv_xfer_finished``, ``_handle_failed_recving``, ``_handle_invalid_blocks``). vLLM
-adds multimodal encoder budgets, LoRA, structured output, asynchronous KV loads (``WAITING_FOR_REMOTE_KVS``) and
-pipeline parallelism. With async scheduling (v0.33.0's default on a GPU; off on a CPU, in vLLM and here, unless asked)
-the subclass :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` plans step N+1 while step N runs; the
-placeholder terms below (``num_output_placeholders``) are 0 without it, and a request moved back while a step is in
-flight for it (a preemption, a failed KV load) has that step's output dropped as stale when it comes back.
+``update_from_output``, ``finish_requests``, ``_update_from_kv_xfer_finished``); vLLM adds encoder budgets, LoRA,
+structured output and asynchronous KV loads. :class:`~minillm.core.sched.async_scheduler.AsyncScheduler` is the
+async-scheduling subclass.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Unpack
 
 from minillm.config import SchedulerConfig
-from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.core.kv_cache_manager import KVCacheFns, KVCacheManager
 from minillm.core.kv_cache_utils import KVCacheBlock
-from minillm.core.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                       SchedulerOutput)
+from minillm.core.sched.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from minillm.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from minillm.core.sched.utils import check_stop
 from minillm.request import Request, RequestStatus
@@ -116,7 +95,7 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, block_size: int = 16,
                  enable_prefix_caching: bool = True, *,
                  check_stop_fn: Callable[[Request, int], bool] = check_stop,
-                 **kv_cache_fns: Callable[..., object]) -> None:
+                 **kv_cache_fns: Unpack[KVCacheFns]) -> None:
         if not isinstance(scheduler_config, SchedulerConfig):
             raise ValueError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         self.scheduler_config = scheduler_config
@@ -254,7 +233,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             scheduled_spec_decode_tokens=dict(step.scheduled_spec_decode_tokens),
         )
-        for new_data, request in zip(scheduler_output.scheduled_new_reqs, step.scheduled_new_reqs):
+        for new_data, request in zip(scheduler_output.scheduled_new_reqs, step.scheduled_new_reqs, strict=True):
             new_data.num_external_computed_tokens = step.num_external_computed_tokens.get(request.request_id, 0)
         if self.connector is not None:
             scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(scheduler_output)
@@ -500,10 +479,8 @@ class Scheduler:
         """The requests that ``scheduler_output`` scheduled, taken off the steps in flight; ``None`` for a plan of 0
         tokens or one :meth:`schedule` did not return. Steps planned before it that were never updated from
         (abandoned after an error) are forgotten, and their tokens no longer count as in flight."""
-        for i, (plan, _) in enumerate(self._steps_in_flight):
-            if plan is scheduler_output:
-                break
-        else:
+        i = next((k for k, (plan, _) in enumerate(self._steps_in_flight) if plan is scheduler_output), None)
+        if i is None:
             return None
         for _ in range(i):
             plan, abandoned = self._steps_in_flight.popleft()
@@ -573,7 +550,7 @@ class Scheduler:
         return affected
 
     def _handle_invalid_blocks(self, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int],
-                               rewritten: set[int] = frozenset()) -> set[str]:
+                               rewritten: AbstractSet[int] = frozenset()) -> set[str]:
         """A load failed to fill ``invalid_block_ids``: the running requests that count one of them as computed
         recompute it (vLLM v0.33.0's ``_update_requests_with_invalid_blocks``, for synchronous loads).
 
@@ -635,7 +612,7 @@ class Scheduler:
         drafts = model_runner_output.draft_token_ids
         if drafts is None:
             return
-        for rid, draft in zip(model_runner_output.req_ids, drafts):
+        for rid, draft in zip(model_runner_output.req_ids, drafts, strict=False):
             request = self.requests.get(rid)
             if request is None or request.is_finished() or request.num_computed_tokens < request.num_tokens - 1:
                 continue

@@ -7,12 +7,10 @@ vLLM counterpart: ``vllm/v1/core/sched/utils.py`` (``check_stop``), called from 
 """
 from __future__ import annotations
 
-from typing import Any
-
-from minillm.request import RequestStatus
+from minillm.request import Request, RequestStatus
 
 
-def check_stop(request: Any, max_model_len: int) -> bool:
+def check_stop(request: Request, max_model_len: int) -> bool:
     """Decide whether ``request`` is finished after its newest output token; if so, record why.
 
     Checked on ``request.output_token_ids[-1]``, in the order of older vLLM releases (the ``min_tokens`` guard first):

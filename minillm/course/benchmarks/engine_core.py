@@ -186,6 +186,7 @@ def measure_ipc(model: LlamaForCausalLM, tokenizer: Any, workload: Workload,
             outputs = engine.engine_core.get_output()  # in-process and synchronous: exactly one step
             step_s = time.perf_counter() - start
             plan = engine.last_scheduler_output
+            assert plan is not None  # the step just taken planned it
             mirror.apply_plan(plan)
             full = mirror.full_plan(plan)
             mirror.apply_outputs(outputs)
@@ -328,10 +329,7 @@ def run_engine(engine: LLMEngine, workload: Workload, name: str = "") -> EngineR
 
 
 def _num_steps(engine: LLMEngine) -> int:
-    stats = engine.engine_core.call_utility("get_stats")
-    if isinstance(stats, dict):  # it crossed the process boundary as a map, its zero fields left out
-        return stats.get("engine", {}).get("num_steps", 0)
-    return stats.engine.num_steps
+    return engine.engine_core.get_stats().engine.num_steps
 
 
 def split_timeline(events: list[tuple[str, float, float]]) -> dict[str, list[tuple[float, float]]]:

@@ -173,12 +173,14 @@ def run_minillm(model: Any, tokenizer: Any, workload: Workload, multiprocess: bo
             unless ``engine_args`` ask for ``async_scheduling=True``); ``None``: ``LLM``'s default
             (``MINILLM_ENABLE_V1_MULTIPROCESSING``). ``cpu_seconds`` counts both processes' CPU time.
     """
+    from minillm.engine.core_client import MPClient
     from minillm.entrypoints.llm import LLM
     from minillm.sampling_params import SamplingParams
 
     with multiprocessing_switch(multiprocess):
         llm = LLM(model, tokenizer=tokenizer, **engine_args)
-    core_pid = llm.llm_engine.engine_core.proc.pid if llm.llm_engine.multiprocess_mode else None
+    client = llm.llm_engine.engine_core
+    core_pid = client.proc.pid if isinstance(client, MPClient) and client.proc is not None else None
     try:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
         prompts = [{"prompt_token_ids": p} for p in workload.prompts]

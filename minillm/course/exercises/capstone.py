@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from minillm.course.exercises.check import _compare, private_copy
 from minillm.course.exercises.parts import PART_SOURCES, LearnerParts
 from minillm.course.exercises.tripwire import DelegationError, guard
 from minillm.engine.parts import PART_NAMES, EngineParts
+
+if TYPE_CHECKING:
+    from minillm.core.sched.scheduler import Scheduler
 
 _SOURCE = {s.part: s for s in PART_SOURCES}
 
@@ -259,7 +262,7 @@ class PartChecker:
             def schedule(self):  # noqa: ANN202
                 checker.step += 1
                 before = {r.request_id: r.num_computed_tokens for r in self.running}
-                ref = copy.deepcopy(self)
+                ref: Scheduler = copy.deepcopy(self)
                 ref.__class__ = reference_cls
                 ref.check_stop_fn = checker.reference.check_stop
                 for name, fn in checker.reference.kv_cache_fns().items():

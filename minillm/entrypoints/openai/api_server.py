@@ -1,52 +1,9 @@
 """``minillm serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn, the stack vLLM uses).
 
-``GET  /v1/models``          the one served model (``id`` = ``--served-model-name``, default the model file's name)
-``POST /v1/completions``     Completions API (``prompt``, ``max_tokens`` default 16, ``stream``, ...)
-``POST /v1/chat/completions`` Chat Completions API (``messages``, ``max_completion_tokens`` > ``max_tokens`` > room)
-``GET  /health``             200 while the engine loop runs, 503 once it has stopped
-``GET  /debug/kv_cache``     a minillm extra: the engine's KV cache and request counters (JSON), e.g.
-                             ``{"num_blocks": 1025, "num_free_blocks": 1024, "kv_cache_usage": 0.0,
-                             "num_unfinished_requests": 0, "num_requests_total": 3, "num_finished": 2,
-                             "num_aborted": 1, "num_steps": 40}``. When no request runs, ``num_free_blocks`` is
-                             ``num_blocks - 1`` (the null block is never free): that is how the tests see that a
-                             client that hung up got its blocks back.
-==========================  ==========================================================================================
-
-One :class:`~minillm.engine.async_llm.AsyncLLM` owns the engine: by default its engine core runs in a process of its
-own (``MINILLM_ENABLE_V1_MULTIPROCESSING=1``; async scheduling on a GPU, or with ``--async-scheduling``) and one
-task on the event loop takes its outputs; with an engine object given (``build_app(llm)``, :class:`BackgroundServer`) a background thread steps it. Every HTTP
-connection is an asyncio task that submits its request and reads its outputs. A client that disconnects has its
-request aborted (streaming: Starlette cancels the response generator; non-streaming: a watcher notices the
-``http.disconnect`` message and cancels the handler), which frees its KV blocks at once.
-
-Errors are OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, with status 400 for a bad
-request (malformed JSON, wrong types, out-of-range values, ``n != 1``, a prompt that leaves no room for one output
-token, an output limit larger than ``max_model_len``; a limit that fits ``max_model_len`` but not the room the prompt
-leaves is lowered to that room, as in vLLM v0.33.0: :mod:`minillm.entrypoints.openai.sampling`), 401 without the API
-key (when one is set), 404 for an unknown model or route, 413 for a body over ``--max-request-body-bytes`` (1 MiB),
-415 for a body not sent as ``application/json``, 503 once the engine has stopped, 500 if the engine failed. See
-:mod:`minillm.entrypoints.openai.serving_engine` and :mod:`minillm.entrypoints.openai.middleware`.
-
-Safety (docs/serving.md): it listens on 127.0.0.1 by default and then answers only requests whose ``Host``
-is loopback (DNS rebinding); POST bodies must be JSON (no cross-origin "simple" POST from a web page); ``--api-key``
-(or ``$MINILLM_API_KEY``) requires ``Authorization: Bearer <key>`` on ``/v1``; tokenization runs in a worker
-thread, so a long prompt does not freeze the other clients; SIGTERM or Ctrl-C aborts the requests in flight and
-exits 0 within seconds (:class:`GracefulServer`); the port and address are checked before the model loads.
-
-Run it with ``python -m minillm serve [--port 8000] [engine args]`` (or ``python -m
-minillm.entrypoints.openai.api_server``). It serves at ``--dtype auto`` unless told otherwise, bf16 on a CPU with
-AMX-BF16 or AVX512-BF16, else fp32 (``EngineArgs()`` itself keeps fp32, the lessons' dtype), and prints the dtype and
-why at start-up, e.g. ``minillm: dtype bfloat16 (auto: this CPU has AVX512-BF16; torch CPU capability AVX512)``.
-Then::
-
-    from openai import OpenAI
-    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
-    client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", max_completion_tokens=16,
-                                   messages=[{"role": "user", "content": "What is the capital of France?"}])
-=======
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health`` (503 once
 the engine has stopped) and, a minillm extra, ``GET /debug/kv_cache`` (the KV cache's and requests' counters).
-One :class:`~minillm.engine.async_llm.AsyncLLM` owns the engine; every connection is an asyncio task, and a client
+One :class:`~minillm.engine.async_llm.AsyncLLM` owns the engine (given an engine object, ``build_app(llm)``, it sits
+in front of that engine's own core); every connection is an asyncio task, and a client
 that disconnects has its request aborted, which frees its blocks at once. Errors are OpenAI's error body
 (:mod:`~minillm.entrypoints.openai.serving_engine`); the Host, API-key, content-type and size checks are in
 :mod:`~minillm.entrypoints.openai.middleware`; SIGTERM or Ctrl-C aborts the requests in flight and exits 0
@@ -84,6 +41,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.engine.async_llm import AsyncLLM, EngineDeadError
+from minillm.engine.core_client import AsyncInprocClient
+from minillm.engine.llm_engine import LLMEngine
 from minillm.entrypoints.openai.middleware import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     AuthenticationMiddleware,
@@ -153,15 +112,24 @@ def api_keys_from(api_key: str | Sequence[str] | None) -> list[str]:
     return [k for k in keys if k]
 
 
+def serve_engine_core(engine: LLMEngine) -> AsyncLLM:
+    """An :class:`AsyncLLM` in front of ``engine``'s engine core: a front end of its own, and an engine thread that
+    alone calls the engine's client until the AsyncLLM shuts down (then ``engine`` works again as before)."""
+    if not isinstance(engine, LLMEngine):
+        raise ValueError(f"build_app serves an LLM, an LLMEngine or an AsyncLLM, got {type(engine).__name__}")
+    client = AsyncInprocClient(engine.engine_core, shutdown_client=False)
+    return AsyncLLM.from_engine_core(client, engine.tokenizer, engine.engine_args)
+
+
 def build_app(engine: Any, served_model_name: str | None = None, *, api_key: str | Sequence[str] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               allowed_hosts: Sequence[str] | None = (), owns_engine: bool | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
-        engine: an ``LLMEngine`` or an ``LLM`` (its engine is wrapped in an :class:`AsyncLLM` whose thread the app
-            stops at shutdown; the engine is usable again afterwards), or an :class:`AsyncLLM` (left running: its
-            owner shuts it down).
+        engine: an ``LLMEngine`` or an ``LLM`` (an :class:`AsyncLLM` serves its engine core through an engine
+            thread that the app stops at shutdown; the engine is usable again afterwards), or an :class:`AsyncLLM`
+            (left running: its owner shuts it down).
         served_model_name: the model's name in the API (default: the model file's name).
         api_key: a key (or several) every ``/v1`` request must send as ``Authorization: Bearer <key>``; default
             ``$MINILLM_API_KEY``; none set: no key is asked for.
@@ -173,11 +141,10 @@ def build_app(engine: Any, served_model_name: str | None = None, *, api_key: str
     """
     engine = getattr(engine, "llm_engine", engine)  # an LLM: serve its engine
     wrap = not isinstance(engine, AsyncLLM)
-    engine_client = AsyncLLM(engine) if wrap else engine
+    engine_client = serve_engine_core(engine) if wrap else engine
     owns_engine = wrap if owns_engine is None else owns_engine
     if served_model_name is None:
-        args = getattr(getattr(engine_client, "engine", None), "engine_args", None)
-        served_model_name = default_served_model_name(getattr(args, "model", None))
+        served_model_name = default_served_model_name(engine_client.engine_args.model)
     tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenizer")  # shared: one tokenizer
     serving_chat = OpenAIServingChat(engine_client, served_model_name, tokenizer_executor)
     serving_completion = OpenAIServingCompletion(engine_client, served_model_name, tokenizer_executor)
@@ -538,14 +505,10 @@ def run_server(args: argparse.Namespace) -> int:
     if engine_args.resolved_attention_backend() == "triton" and engine_args.resolved_device() == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     print(f"minillm: dtype {engine_args.dtype_choice()}", flush=True)
-    from minillm.engine.core_client import multiprocessing_enabled
-    from minillm.engine.llm_engine import LLMEngine
-
     try:
         # vLLM's way by default: the engine core in its own process, awaited by the event loop (AsyncMPClient);
-        # MINILLM_ENABLE_V1_MULTIPROCESSING=0: the engine in this process, stepped by AsyncLLM's thread.
-        engine = (AsyncLLM.from_engine_args(engine_args) if multiprocessing_enabled()
-                  else LLMEngine.from_engine_args(engine_args, multiprocess_mode=False))
+        # MINILLM_ENABLE_V1_MULTIPROCESSING=0: the core in this process, stepped by an engine thread.
+        engine = AsyncLLM.from_engine_args(engine_args)
     except KeyboardInterrupt:
         print("interrupted while loading the model", file=sys.stderr)
         sock.close()
@@ -566,8 +529,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        if isinstance(engine, AsyncLLM):  # build_app leaves an AsyncLLM it was given to its owner: us
-            engine.shutdown()
+        engine.shutdown()  # build_app leaves an AsyncLLM it was given to its owner: us
     return 0
 
 

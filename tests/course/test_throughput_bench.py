@@ -78,10 +78,29 @@ def test_tiny_bf16_run_is_at_one_precision(smollm, hf_oracle):
         run_benchmark(w, ("minillm", "hf-padded"), model=model, tokenizer=smollm[1], hf_model=hf_oracle)
 
 
-def test_matmul_roofline_is_measured_in_the_dtype_asked_for():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_roofline_is_measured_in_the_dtype_asked_for(dtype, monkeypatch):
+    """Every matmul timed is of the model's projection shapes in ``dtype``, and the result is the FLOPs of one round
+    over the fastest round's seconds (a clock that gives rounds of 0.25 s and then 0.5 s)."""
+    from types import SimpleNamespace
+
+    import minillm.course.benchmarks.throughput as throughput
+
     cfg = LlamaConfig()
-    for dtype in (torch.float32, torch.bfloat16):
-        assert measure_matmul_flops(cfg, seconds=0.01, rows=16, dtype=dtype) > 0
+    calls, mm = [], torch.mm
+
+    def recording_mm(a, b):
+        calls.append((a.dtype, b.dtype, tuple(a.shape), tuple(b.shape)))
+        return mm(a, b)
+
+    ticks = iter([0.0, 0.0, 0.25, 0.3, 0.3, 0.8, 2.0])  # start; round 1 (0.25 s); not over; round 2 (0.5 s); over
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    monkeypatch.setattr(throughput, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    best = measure_matmul_flops(cfg, seconds=1.0, rows=16, dtype=dtype)
+    h, i, qkv = 576, 1536, (9 + 2 * 3) * 64  # SmolLM2-135M: hidden, intermediate, q + k + v features
+    one_round = [((16, h), (h, i)), ((16, i), (i, h)), ((16, h), (h, qkv))]
+    assert calls == [(dtype, dtype, a, b) for a, b in one_round * 2]
+    assert best == 2 * 16 * (h * i + i * h + h * qkv) / 0.25
 
 
 def test_cli_dtype_choices():

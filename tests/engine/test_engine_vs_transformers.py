@@ -88,9 +88,12 @@ def serve_staggered(engine, prompts, per_step, params, after_step=None) -> list[
     return [tokens[i] for i in range(len(prompts))]
 
 
-def check_all(outputs, reference, indices, what):
+def check_all(outputs, reference, indices, what, max_tokens=MAX_TOKENS):
+    indices = list(indices)
+    assert len(outputs) == len(indices), f"{what}: {len(outputs)} outputs for {len(indices)} prompts"
     ties = []
     for out, i in zip(outputs, indices):
+        assert len(out) == max_tokens, f"{what}, prompt {i}: {len(out)} tokens, asked for {max_tokens} (EOS ignored)"
         ref, logits = reference[i]
         pos = check_greedy_match(out, ref[:len(out)], logits[:len(out)], what=f"{what}, prompt {i}")
         if pos is not None:
@@ -149,7 +152,7 @@ def test_triton_backend_equals_transformers(smollm, prompts, reference):
     i = min(range(len(prompts)), key=lambda k: len(prompts[k]))
     outputs, _, _ = serve(*smollm, [prompts[i]], None, max_tokens=2, attention_backend="triton", max_model_len=64,
                           num_gpu_blocks=8)
-    check_all(outputs, reference, [i], "triton backend")
+    check_all(outputs, reference, [i], "triton backend", max_tokens=2)
 
 
 @pytest.mark.slow  # 3-6 s (load-dependent): 24 tokens through transformers and through the engine

@@ -79,8 +79,10 @@ def test_numpy_scalars_are_accepted():
 
 
 def test_boundaries_are_accepted():
-    SamplingParams(temperature=0.0, top_p=1.0, min_p=1.0, top_k=1, presence_penalty=-2.0, frequency_penalty=2.0,
-                   logprobs=0, max_tokens=1, repetition_penalty=1e-3)
+    edges = dict(temperature=0.0, top_p=1.0, min_p=1.0, top_k=1, presence_penalty=-2.0, frequency_penalty=2.0,
+                 logprobs=0, max_tokens=1, repetition_penalty=1e-3)
+    p = SamplingParams(**edges)
+    assert {k: getattr(p, k) for k in edges} == edges  # accepted as given, not clamped
 
 
 def test_the_edges_that_are_accepted_work_downstream():

@@ -48,7 +48,7 @@ $(LAB_OVERRIDES): $(ROOT)/jupyter/overrides.json $(STAMP)
 setup: check-python $(STAMP) $(LAB_OVERRIDES)
 
 # Teachers (docs/teaching.md): nbgrader, the [classroom] extra, in the same .venv. `make lab` does not need it;
-# `make test` installs it, so CI runs the nbgrader tests (tests/test_nbgrader.py skips them where it is missing).
+# `make test` installs it, so CI runs the nbgrader tests (tests/course/test_nbgrader.py skips them where it is missing).
 CLASSROOM_STAMP := $(VENV)/.classroom-installed
 $(CLASSROOM_STAMP): $(STAMP) $(ROOT)/pyproject.toml $(ROOT)/requirements/constraints.txt
 	$(PY) -m pip install -q -c $(ROOT)/requirements/constraints.txt -e "$(ROOT)[classroom]"
@@ -92,17 +92,17 @@ test-portable: setup
 
 # Every lesson run top to bottom in JupyterLab in Chromium (Run All), as after `make lab`; plus the widget clicks.
 test-browser: setup
-	$(PY) -m pytest -p no:xdist tests/test_browser.py tests/browser_run_all.py
+	$(PY) -m pytest -p no:xdist tests/lab/test_browser.py tests/lab/browser_run_all.py
 
 # Tensor parallelism on SmolLM2 (3 ranks): LLM's tokens, serve's clean stop, and the OpenAI server tests against
 # `serve --tensor-parallel-size 3` (CONTRIBUTING.md). The tiny model's TP tests run in `make test`.
 test-tp: setup
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 MINILLM_TEST_SERVER_ARGS="--tensor-parallel-size 3" \
-		$(PY) -m pytest -p no:xdist tests/tp_smollm2.py tests/test_server.py
+		$(PY) -m pytest -p no:xdist tests/engine/tp_smollm2.py tests/engine/test_server.py
 
 # The nbgrader test over every chapter, capstone included, each graded twice (the fast `make test` grades 02 and 10).
 test-classroom: classroom
-	MINILLM_NBGRADER_CHAPTERS=all OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -p no:xdist tests/test_nbgrader.py
+	MINILLM_NBGRADER_CHAPTERS=all OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -p no:xdist tests/course/test_nbgrader.py
 
 # The course as a static website in build/book/ (docs/website.md): Sphinx + MyST-NB over the stored
 # notebooks, never executed. Needs only the [book] extra's packages (no torch), installed into .venv with the pins.
@@ -122,10 +122,11 @@ book: $(BOOK_STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b html -c book -d build/book-doctrees . $(BOOK_DIR)
 	@echo "the site: $(BOOK_DIR)/index.html (or python -m http.server -d $(BOOK_DIR), then http://127.0.0.1:8000)"
 
-# The site's checks: the build fails on broken input (tests/book_checks.py builds small broken sites), and the built
-# site in Chromium (tests/book_browser.py). They need the test set-up; kept out of `make test`, like browser_run_all.py.
+# The site's checks: the build fails on broken input (tests/site/book_checks.py builds small broken sites), and the
+# built site in Chromium (tests/site/book_browser.py). They need the test set-up; kept out of `make test`, like
+# tests/lab/browser_run_all.py.
 test-book: setup book
-	$(PY) -m pytest -p no:xdist tests/book_checks.py tests/book_browser.py
+	$(PY) -m pytest -p no:xdist tests/site/book_checks.py tests/site/book_browser.py
 
 exercises: setup
 	$(PY) -m minillm.course.exercises build

@@ -1,2 +1,2 @@
 """Root conftest: plugins that must see every test item, wherever it lives (tests/, notebooks/, solutions/)."""
-pytest_plugins = ["tests.notebook_times"]
+pytest_plugins = ["tests.notebooks.notebook_times"]

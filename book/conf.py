@@ -66,7 +66,7 @@ html_theme_options = {
     # navbar_persistent with the search field unless it is set). With a navbar, pydata-sphinx-theme 0.20 renders a
     # second, hidden pair of .primary-toggle/.secondary-toggle buttons before the article header's, and both themes'
     # scripts bind only the first match (document.querySelector): the menu and "Contents" buttons then do nothing
-    # (pydata-sphinx-theme#2451, sphinx-book-theme#988; tests/book_browser.py clicks them at phone width).
+    # (pydata-sphinx-theme#2451, sphinx-book-theme#988; tests/site/book_browser.py clicks them at phone width).
     "navbar_persistent": [],
 }
 # Light by default: the notebook figures are drawn on white. (Left empty, the theme logs a console error.)

@@ -11,7 +11,7 @@ nothing and exits 0 when the interpreter will do; else it prints what is wrong a
 missing interpreter cannot run this file: the Makefile says that one itself.)
 
 It runs on the old interpreters it is meant to refuse: Python 2.7 and 3.x alike, so no f-strings, no annotations, no
-walrus (tests/test_packaging.py checks).
+walrus (tests/repo/test_packaging.py checks).
 """
 from __future__ import print_function
 

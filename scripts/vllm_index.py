@@ -1,4 +1,4 @@
-"""Write the index of vLLM's source that ``tests/test_vllm_references.py`` checks the course's citations against.
+"""Write the index of vLLM's source that ``tests/repo/test_vllm_references.py`` checks the course's citations against.
 
 The course maps to one vLLM release, v0.33.0: every vLLM path, class and behaviour it names is checked against that
 release's source. The test must run offline and fast, so instead of the 340 MB wheel it reads a small committed index:
@@ -416,7 +416,7 @@ def deprecation_markers(source: str, filename: str = "<vllm>") -> list[tuple[str
 # Source lines the course's statements about v0.33.0's defaults rest on: key -> (file, function, lines). Defaults
 # depend on the platform (the platform hook has the last word), so each statement is tied to the line that sets it;
 # ``build_index`` finds each run of lines (stripped, consecutive) inside its function and records where, or stops.
-# ``tests/test_platform_defaults.py`` checks the course's text and minillm's behaviour against these.
+# ``tests/repo/test_platform_defaults.py`` checks the course's text and minillm's behaviour against these.
 QUOTES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "gpu_async_scheduling_on": ("vllm/config/vllm.py", "VllmConfig.__post_init__", (
         "elif self.scheduler_config.async_scheduling is None:",

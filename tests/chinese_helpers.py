@@ -2,7 +2,7 @@
 
 `docs/glossary.md` gives one preferred Chinese form per term and the community's common variants it accepts too
 (its third column); `VARIANTS` below lists the forms not to use. The functions here read both and check a piece of
-Chinese text against them, so the same checks serve `README.zh-CN.md` (tests/test_chinese.py) and the notebooks' Chinese blocks:
+Chinese text against them, so the same checks serve `README.zh-CN.md` (tests/repo/test_chinese.py) and the notebooks' Chinese blocks:
 
     from tests.chinese_helpers import chinese_problems
     assert chinese_problems(text) == []
@@ -25,7 +25,7 @@ GLOSSARY = REPO / "docs" / "glossary.md"
 
 # Forms not to use, keyed by the glossary's English term: mistranslations, and words that clash with another concept
 # of the course. They are not the community's common variants: those are the glossary's third column (accepted,
-# `GlossaryTerm.aliases`), and a form may not be both (tests/test_chinese.py checks). A variant is allowed only
+# `GlossaryTerm.aliases`), and a form may not be both (tests/repo/test_chinese.py checks). A variant is allowed only
 # inside an occurrence of a glossary form or alias that contains it ("块预填充" inside "分块预填充"). Spacing
 # variants ("PD分离", "KV缓存") are left to spacing_violations.
 VARIANTS: dict[str, list[str]] = {

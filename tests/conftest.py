@@ -65,7 +65,7 @@ def hf_oracle():
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the test item (``item.rep_call``), so a fixture's teardown can tell whether the
-    test failed (tests/test_browser.py saves a screenshot then)."""
+    test failed (tests/lab/test_browser.py saves a screenshot then)."""
     outcome = yield
     rep = outcome.get_result()
     setattr(item, f"rep_{rep.when}", rep)

@@ -248,7 +248,7 @@ def run_hf_batch(hf_model: Any, workload: Workload, timeout_s: float = 1800.0) -
 
 # Two logits closer than this are a tie that rounding in that dtype may break either way. fp32: 1e-4, far above
 # its rounding (~1e-6 on logits of size 10-30). bf16 keeps 8 significant bits (a logit in [16, 32) is a multiple of
-# 0.125) and rounds every layer's output: on the top-2 logits of 1,032 positions of tests/test_bf16_oracle.py's
+# 0.125) and rounds every layer's output: on the top-2 logits of 1,032 positions of tests/engine/test_bf16_oracle.py's
 # prompts, minillm in bf16 sat a median 0.125 from transformers in bf16, 0.5 at the 99th percentile, 0.875 at most
 # (transformers' bf16 from its own fp32: 0.09, 0.5, 0.76). So 0.5, four steps of that grid.
 TIE_GAPS = {torch.float32: 1e-4, torch.bfloat16: 0.5}

@@ -83,6 +83,10 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 test: check-python setup lint classroom
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests notebooks solutions $(NBVAL)
 
+# The edit loop: the engine's and the kernels' tests, the slow ones (a real model, processes, servers) left out.
+test-fast: check-python setup
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests/engine tests/kernels
+
 # Run before storing notebooks (CONTRIBUTING.md): nbval as on another CPU (PyTorch's baseline kernels, no
 # AVX2/AVX-512; MKL limited to SSE4.2), then one notebook at a time with the 2 threads a make-lab kernel uses.
 test-portable: setup

@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: check-python setup lab lint test test-portable test-browser test-tp exercises clean classroom classroom-demo test-classroom book test-book
+.PHONY: check-python setup lab lint test test-fast test-portable test-browser test-tp exercises clean classroom classroom-demo test-classroom book test-book
 
 # $(PYTHON) builds .venv. Before anything else: is it there, Python 3.11 or newer (pyproject.toml's requires-python),
 # with its venv module (python3-venv on Debian and Ubuntu)? If not, stop and say what to do (README, "Prerequisites";

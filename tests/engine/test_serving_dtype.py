@@ -16,6 +16,7 @@ import minillm
 import minillm.cli as cli
 import minillm.platforms.cpu as cpu_module
 from minillm.engine.arg_utils import EngineArgs
+from minillm.engine.async_llm import AsyncLLM
 from minillm.engine.llm_engine import LLMEngine
 from minillm.platforms.cpu import cpu_capability
 from tests.dtype_helpers import bf16_copy
@@ -46,7 +47,10 @@ def _name(dtype: torch.dtype) -> str:
 
 @pytest.fixture
 def engine_args_seen(monkeypatch) -> list[EngineArgs]:
-    """``LLMEngine.from_engine_args`` records its arguments and stops with a Ctrl-C where it would load the model."""
+    """The engine's ``from_engine_args`` records its arguments and stops with a Ctrl-C where it would load the model.
+
+    Both engines are stopped: ``serve`` builds an :class:`AsyncLLM` (vLLM's serving engine), ``LLM`` and ``bench``
+    an :class:`LLMEngine`. A server that got past this would load the model and serve until the test's timeout."""
     seen: list[EngineArgs] = []
 
     def stop_before_loading(cls, engine_args, **kwargs):
@@ -54,10 +58,13 @@ def engine_args_seen(monkeypatch) -> list[EngineArgs]:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(stop_before_loading))
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(stop_before_loading))
     return seen
 
 
 # -- serve -------------------------------------------------------------------------------------------------------
+# A serve test that reached the model would serve forever; 60 s ends it as a failure, not a hung suite.
+@pytest.mark.timeout(60)
 def test_serve_runs_at_auto_and_prints_which_and_why(cpu, engine_args_seen, capsys):
     """The start-up line comes before the model loads, and it is the dtype the engine is then built in."""
     from minillm.entrypoints.openai.api_server import main
@@ -71,6 +78,7 @@ def test_serve_runs_at_auto_and_prints_which_and_why(cpu, engine_args_seen, caps
     assert lines == [f"minillm: dtype {_name(dtype)} ({reason})"], out
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("asked, dtype", [("float32", torch.float32), ("bf16", torch.bfloat16)])
 def test_serve_dtype_asked_for_wins_and_is_printed(cpu, engine_args_seen, capsys, asked, dtype):
     from minillm.entrypoints.openai.api_server import main

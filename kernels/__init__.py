@@ -5,8 +5,11 @@ function is defined, so this package sets ``TRITON_INTERPRET=1`` on import when 
 
 - :func:`reshape_and_cache` writes a step's new K/V into the paged cache at ``slot_mapping``.
 - :func:`unified_attention` attends a varlen batch of query chunks (prefills, chunks, decodes) over the cache.
+- :mod:`kernels.input_batch` and :mod:`kernels.block_table` prepare a step's inputs from per-slot request state
+  (input ids, positions, logits rows, block table, slot mapping) and fold the sampled tokens back in, each kernel
+  beside the PyTorch reference a CPU runs.
 
-vLLM counterpart: ``vllm/v1/attention/ops/``.
+vLLM counterpart: ``vllm/v1/attention/ops/``; for the input preparation, ``vllm/v1/worker/gpu/``.
 """
 import os
 

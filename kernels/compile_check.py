@@ -81,6 +81,63 @@ def _attention_configs(quick: bool) -> list[tuple]:
     return shapes
 
 
+def _input_jobs(quick: bool) -> list[tuple]:
+    """Jobs for the input-preparation kernels (``kernels/input_batch.py``, ``kernels/block_table.py``): a launch's
+    pointer types and scalar values (a 4096-token model, 512 blocks per row, a 49152-token vocabulary, 3 drafts);
+    ``post_update`` with and without its optional tensors (``None`` pointers compile to a different kernel)."""
+    import importlib
+
+    ib = importlib.import_module("kernels.input_batch")
+    bt = importlib.import_module("kernels.block_table")
+    i32, i64 = "*i32", "*i64"
+    jobs: list[tuple] = []
+    for ids in ["*i64"] + ([] if quick else ["*i32"]):
+        jobs += [
+            ("prepare_prefill_inputs", f"input_ids {ids[1:]}", ib._prepare_prefill_inputs_kernel,
+             dict(all_token_ids_stride=4096),
+             dict(input_ids_ptr=ids, idx_mapping_ptr=i64, query_start_loc_ptr=i32, all_token_ids_ptr=i32,
+                  prefill_len_ptr=i32, num_computed_tokens_ptr=i32), dict(BLOCK=ib._BLOCK), 4, 3),
+            ("combine_sampled_and_draft_tokens", f"input_ids {ids[1:]}, 3 drafts",
+             ib._combine_sampled_and_draft_tokens_kernel, dict(last_sampled_stride=1, draft_tokens_stride=3),
+             dict(input_ids_ptr=ids, idx_mapping_ptr=i64, last_sampled_tokens_ptr=i64, query_start_loc_ptr=i32,
+                  seq_lens_ptr=i32, prefill_len_ptr=i32, draft_tokens_ptr=i64, cu_num_logits_ptr=i32,
+                  logits_indices_ptr=i64), dict(BLOCK=4), 4, 3),
+        ]
+    jobs += [
+        ("prepare_pos_seq_lens", "", ib._prepare_pos_seq_lens_kernel, {},
+         dict(positions_ptr=i64, seq_lens_ptr=i32, idx_mapping_ptr=i64, query_start_loc_ptr=i32,
+              num_computed_tokens_ptr=i32), dict(BLOCK=ib._BLOCK), 4, 3),
+        ("get_num_sampled_and_rejected", "", ib._get_num_sampled_and_rejected_kernel, {},
+         dict(num_sampled_ptr=i32, num_rejected_ptr=i32, seq_lens_ptr=i32, cu_num_logits_ptr=i32,
+              idx_mapping_ptr=i64, prefill_len_ptr=i32), {}, 4, 3),
+    ]
+    post_ptrs = dict(idx_mapping_ptr=i64, num_computed_tokens_ptr=i32, last_sampled_tokens_ptr=i64,
+                     output_bin_counts_ptr=i32, sampled_tokens_ptr=i64, num_sampled_ptr=i32, num_rejected_ptr=i32,
+                     query_start_loc_ptr=i32, all_token_ids_ptr=i32, total_len_ptr=i32, draft_tokens_ptr=i64,
+                     draft_tokens_out_ptr=i64)
+    post_values = dict(last_sampled_stride=1, output_bin_counts_stride=49152, sampled_tokens_stride=4,
+                       all_token_ids_stride=4096, draft_tokens_stride=3, draft_tokens_out_stride=3, num_spec=3)
+    optional = ("output_bin_counts_ptr", "query_start_loc_ptr", "draft_tokens_ptr", "draft_tokens_out_ptr")
+    jobs.append(("post_update", "k=3, bins, query_start_loc, drafts", ib._post_update_kernel, post_values, post_ptrs,
+                 dict(HAS_BIN_COUNTS=True, HAS_QUERY_START_LOC=True, HAS_DRAFTS=True, BLOCK_K=4), 1, 3))
+    jobs.append(("post_update", "k=0, none of them", ib._post_update_kernel,
+                 dict(post_values, sampled_tokens_stride=1, output_bin_counts_stride=0, draft_tokens_stride=0,
+                      draft_tokens_out_stride=0, num_spec=0),
+                 {n: t for n, t in post_ptrs.items() if n not in optional},
+                 dict(dict.fromkeys(optional), HAS_BIN_COUNTS=False, HAS_QUERY_START_LOC=False, HAS_DRAFTS=False,
+                      BLOCK_K=1), 1, 3))
+    jobs += [
+        ("gather_block_tables", "512 blocks per row", bt._gather_block_tables_kernel,
+         dict(block_table_stride=512, out_stride=512, max_blocks=512),
+         dict(idx_mapping_ptr=i64, block_table_ptr=i32, num_blocks_ptr=i32, out_ptr=i32), dict(BLOCK=512), 4, 3),
+        ("compute_slot_mappings", "block_size 16", bt._compute_slot_mappings_kernel,
+         dict(block_table_stride=512, max_num_tokens=8192, pad_id=-1),
+         dict(idx_mapping_ptr=i64, query_start_loc_ptr=i32, positions_ptr=i64, block_table_ptr=i32, out_ptr=i64),
+         dict(KV_BLOCK_SIZE=16, BLOCK=bt._BLOCK), 4, 3),
+    ]
+    return jobs
+
+
 def run(archs: list[int], quick: bool) -> int:
     import importlib
 
@@ -133,6 +190,7 @@ def run(archs: list[int], quick: bool) -> int:
             jobs.append(("reshape_and_cache", f"{dt} Hkv{hkv} D{d}", rc._reshape_and_cache_kernel, strides, ptrs,
                          dict(HEAD_DIM=d, ROW=hkv * d, ROW_PADDED=triton.next_power_of_2(hkv * d), BLOCK_T=4,
                               BLOCK_SIZE=16), 4, 3))
+        jobs += _input_jobs(quick)
         for name, label, fn, values, ptrs, consts, warps, stages in jobs:
             try:
                 k = _compile(fn, values, ptrs, consts, arch, warps, stages)

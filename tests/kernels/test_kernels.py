@@ -348,12 +348,13 @@ _PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 @pytest.mark.skipif(not _PTXAS.exists(), reason="this Triton build ships no CUDA backend (ptxas)")
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter accepts code the GPU compiler rejects; compile the prefill and decode configurations (and
-    reshape_and_cache) for sm_90 offline, in a child process with the interpreter off."""
+    reshape_and_cache, and the eight input-preparation configurations of kernels/input_batch.py and
+    kernels/block_table.py) for sm_90 offline, in a child process with the interpreter off."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--arch", "90", "--quick"], env=env,
                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "all kernels compiled" in res.stdout and res.stdout.count(" 90  ") == 4
+    assert "all kernels compiled" in res.stdout and res.stdout.count(" 90  ") == 4 + 8
 
 
 def test_bench_on_cpu_says_it_needs_a_gpu():

@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: check-python setup lab lint test test-fast test-portable test-browser test-tp exercises clean classroom classroom-demo test-classroom book test-book
+.PHONY: check-python setup lab lint test test-fast test-portable test-browser test-tp exercises clean classroom classroom-demo test-classroom book test-book gpu-report gpu-wheels
 
 # $(PYTHON) builds .venv. Before anything else: is it there, Python 3.11 or newer (pyproject.toml's requires-python),
 # with its venv module (python3-venv on Debian and Ubuntu)? If not, stop and say what to do (README, "Prerequisites";
@@ -95,6 +95,20 @@ test-portable: setup
 	OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 $(PY) -m pytest -p no:xdist notebooks solutions $(NBVAL)
 
 # Every lesson run top to bottom in JupyterLab in Chromium (Run All), as after `make lab`; plus the widget clicks.
+# Every GPU number in one run (docs/gpu-report.md), on a GPU machine with python3 and its own torch, Triton and
+# transformers: no .venv, nothing from a registry, the tree on PYTHONPATH. Without a GPU it is the CPU dry run.
+# OUT: where report.md and report.json go. msgspec's wheel travels in .whl/ (make gpu-wheels, on a machine with PyPI).
+OUT ?= build/gpu-report
+MSGSPEC := $(shell sed -n 's/^msgspec==//p' $(ROOT)/requirements/constraints.txt)
+# The course's .venv where there is one (a CPU machine: the dry run), else $(PYTHON) (the GPU machine's own).
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-report:
+	PYTHONPATH=$(ROOT) $(GPU_PY) $(ROOT)/bench/gpu_report.py --out $(OUT)
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(ROOT)/.whl msgspec==$(MSGSPEC)
+
 test-browser: setup
 	$(PY) -m pytest -p no:xdist tests/lab/test_browser.py tests/lab/browser_run_all.py
 

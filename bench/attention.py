@@ -75,7 +75,8 @@ def _paged_inputs(batch: int, query: int, context: int, head_dim: int, device: s
 
 
 def _sdpa_call(q, k, v, context: int):
-    """SDPA restricted to its flash backend; causal aligned bottom-right when there is a context."""
+    """SDPA restricted to its flash backend (on a GPU; a CPU has none, its default backend runs there); causal
+    aligned bottom-right when there is a context."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -88,16 +89,29 @@ def _sdpa_call(q, k, v, context: int):
     else:
         mask, causal = causal_lower_right(query, k.shape[2]), False
 
+    backends = [SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]
+
     def run():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backends):
             return sdpa(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
     return run
 
 
-def _time_ms(fn) -> float:
+def _time_ms(fn, device: str = "cuda") -> float:
     """Median time of ``fn`` in ms, replayed from a CUDA graph so Python launch overhead (tens of microseconds,
-    as long as a whole small decode) is not counted for either side; plain ``do_bench`` if capture fails."""
+    as long as a whole small decode) is not counted for either side; plain ``do_bench`` if capture fails. On a CPU
+    (the dry run of ``bench/gpu_report.py``): the median of five calls by the wall clock."""
+    import time
+
     import triton.testing
+
+    if device != "cuda":
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e3 * sorted(times)[2]
 
     try:
         return triton.testing.do_bench_cudagraph(fn, return_mode="median")
@@ -105,18 +119,19 @@ def _time_ms(fn) -> float:
         return triton.testing.do_bench(fn, return_mode="median")
 
 
-def measure(batch: int, query: int, context: int, head_dim: int) -> Row:
-    """Time the kernel and SDPA on one shape (median of repeated runs)."""
+def measure(batch: int, query: int, context: int, head_dim: int, device: str = "cuda") -> Row:
+    """Time the kernel and SDPA on one shape (median of repeated runs). ``device="cpu"`` runs the kernel in
+    Triton's interpreter: it checks the harness, its times say nothing about speed."""
     import kernels
 
-    kernel_args, (sq, sk, sv) = _paged_inputs(batch, query, context, head_dim)
+    kernel_args, (sq, sk, sv) = _paged_inputs(batch, query, context, head_dim, device=device)
     run_kernel = lambda: kernels.unified_attention(*kernel_args)  # noqa: E731
     run_sdpa = _sdpa_call(sq, sk, sv, context)
     out_kernel = run_kernel().view(batch, query, NUM_HEADS, head_dim)
     out_sdpa = run_sdpa().transpose(1, 2)
     diff = (out_kernel.float() - out_sdpa.float()).abs().max().item()
-    kernel_ms = _time_ms(run_kernel)
-    sdpa_ms = _time_ms(run_sdpa)
+    kernel_ms = _time_ms(run_kernel, device)
+    sdpa_ms = _time_ms(run_sdpa, device)
     if query > 1:
         pairs = batch * (query * context + query * (query + 1) // 2)
         work = 4 * head_dim * NUM_HEADS * pairs / 1e12  # TFLOP
@@ -128,13 +143,17 @@ def measure(batch: int, query: int, context: int, head_dim: int) -> Row:
                work / (sdpa_ms / 1e3), diff)
 
 
-def copy_bandwidth_gbs(num_bytes: int = 2 << 30) -> float:
-    """Device memory bandwidth as a large device-to-device copy achieves it (read + write), in GB/s."""
-    import triton.testing
-
-    x = torch.empty(num_bytes // 2, dtype=torch.float16, device="cuda")
+def copy_bandwidth_gbs(num_bytes: int = 2 << 30, device: str = "cuda") -> float:
+    """Memory bandwidth as a large copy achieves it (bytes read + bytes written), in GB/s: device to device on a
+    GPU, RAM to RAM on a CPU (pass a smaller ``num_bytes`` there)."""
+    x = torch.empty(num_bytes // 2, dtype=torch.float16, device=device)
     y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
+    if device == "cuda":
+        import triton.testing
+
+        ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
+    else:
+        ms = _time_ms(lambda: y.copy_(x), device)
     return 2 * num_bytes / 1e9 / (ms / 1e3)
 
 

@@ -200,10 +200,10 @@ def run_minillm(model: Any, tokenizer: Any, workload: Workload, multiprocess: bo
 @torch.inference_mode()
 def run_hf_padded(hf_model: Any, workload: Workload, pad_token_id: int = 0) -> PeerResult:
     width = max(len(p) for p in workload.prompts)
-    ids = torch.full((len(workload.prompts), width), pad_token_id, dtype=torch.long)
+    ids = torch.full((len(workload.prompts), width), pad_token_id, dtype=torch.long, device=hf_model.device)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(workload.prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
+        ids[i, width - len(p):] = torch.tensor(p, device=ids.device)
         mask[i, width - len(p):] = 1
     start, cpu = time.perf_counter(), time.process_time()
     out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(workload.output_lens),

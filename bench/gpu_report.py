@@ -9,10 +9,11 @@ on a machine with PyPI, and the report installs it from there with ``--no-index`
 
 Sections, each in a process of its own under its own time limit (a failure or a timeout is reported and the
 others run): ``environment`` (GPU, versions, copy bandwidth, a bf16 matmul), ``kernels`` (``unified_attention`` and
-``reshape_and_cache`` against the reference in fp16 and bf16), ``attention`` (``bench/attention.py``'s table
-against SDPA's flash backend), ``engine_smollm2`` and ``engine_llama8b`` (the engine on CUDA with random weights in
-a real model's shape: greedy tokens against transformers, throughput against transformers' padded ``generate``,
-async scheduling on and off, one decode step's achieved memory bandwidth).
+``reshape_and_cache`` against the reference in fp16 and bf16), ``input_kernels`` (Model Runner V2's input kernels
+against their PyTorch references: ``tests/kernels/test_input_kernels.py`` on the GPU), ``attention``
+(``bench/attention.py``'s table against SDPA's flash backend), ``engine_smollm2`` and ``engine_llama8b`` (the engine
+on CUDA with random weights in a real model's shape: greedy tokens against transformers, throughput against
+transformers' padded ``generate``, async scheduling on and off, one decode step's achieved memory bandwidth).
 
 Without a GPU every section runs a small CPU configuration (the kernels in Triton's interpreter at tiny shapes, the
 engine on the tiny model in fp32): the dry run that ``make test`` runs, so the harness works before a GPU sees it.
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -178,6 +180,31 @@ def section_kernels(cuda: bool) -> dict[str, Any]:
                                "block_size": block_size, "interpreted": kernels.INTERPRETED},
             "tables": [table], "notes": [f"{heads} query heads over {kv_heads} KV heads, head_dim {head_dim}, "
                                          f"block size {block_size}; reference: fp32 PyTorch over the same inputs"]}
+
+
+# -- Model Runner V2's input kernels --------------------------------------------------------------------------------
+def section_input_kernels(cuda: bool) -> dict[str, Any]:
+    """tests/kernels/test_input_kernels.py with the kernels on the GPU: each Triton kernel equals its PyTorch
+    reference (exactly: integer indexing) on hypothesis's random batches, and the worked examples."""
+    import re
+
+    # No plugins loaded from entry points: the file needs only hypothesis, and a machine's other plugins (nbval here)
+    # may import what it lacks.
+    env = dict(os.environ, MINILLM_KERNEL_TEST_DEVICE="cuda" if cuda else "cpu", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    # --noconftest: the suite's conftest files load notebook plugins this machine may not have; the file needs none.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider",
+                           "-o", "addopts=", str(ROOT / "tests" / "kernels" / "test_input_kernels.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    summary = next((line for line in reversed(proc.stdout.splitlines()) if re.search(r"\d+ (passed|failed)", line)),
+                   proc.stdout[-300:] or proc.stderr[-300:])
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", summary)}
+    ok = proc.returncode == 0 and counts.get("passed", 0) > 0
+    rows = [[k, v] for k, v in counts.items()] or [["result", summary]]
+    notes = [f"pytest: {summary.strip('= ')}"]
+    if not ok:
+        notes.append("output tail: " + (proc.stdout[-1500:] + proc.stderr[-1500:]).replace("\n", " / "))
+    return {"ok": ok, "data": {"counts": counts, "returncode": proc.returncode, "device": env[
+        "MINILLM_KERNEL_TEST_DEVICE"]}, "tables": [_table(["tests", "count"], rows)], "notes": notes}
 
 
 # -- attention benchmark --------------------------------------------------------------------------------------------
@@ -442,9 +469,11 @@ def section_engine_llama8b(cuda: bool) -> dict[str, Any]:
 
 
 SECTIONS: dict[str, Section] = {
-    "environment": Section("The machine", 40, 30, section_environment),
+    "environment": Section("The machine", 30, 30, section_environment),
     "kernels": Section("Kernels against the reference", 60, 60, section_kernels),
-    "attention": Section("unified_attention against SDPA", 110, 40, section_attention),
+    "input_kernels": Section("Model Runner V2's input kernels against their references", 40, 30,
+                             section_input_kernels),
+    "attention": Section("unified_attention against SDPA", 100, 40, section_attention),
     "engine_smollm2": Section("The engine, SmolLM2-135M's shape, random weights", 90, 60, section_engine_smollm2),
     "engine_llama8b": Section("The engine, Llama-3.1-8B's shape, random weights", 150, 60, section_engine_llama8b),
 }
@@ -531,13 +560,16 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"{name}.json").unlink(missing_ok=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--out", str(args.out)]
         cmd += ["--cpu"] if args.cpu else []
+        # A session of its own: on a timeout the section and anything it started (input_kernels' pytest) are killed.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
-            log = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout or b""
-            log = out.decode() if isinstance(out, bytes) else out
-            results[name] = {"status": "timeout", "error": f"did not finish within {limit} s", "log_tail": log[-3000:]}
+            log, _ = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            results[name] = {"status": "timeout", "error": f"did not finish within {limit} s",
+                             "log_tail": (log or "")[-3000:]}
         else:
             path = args.out / f"{name}.json"
             if path.is_file():

@@ -25,7 +25,7 @@ ABSENT = ("zmq", "fastapi", "uvicorn", "starlette", "gguf", "openai", "jupyterla
 # None in sys.modules: ``import zmq`` raises ImportError and ``importlib.util.find_spec("zmq")`` answers None, as
 # where the package is not installed (transformers probes optional packages with find_spec).
 SITECUSTOMIZE = f"import sys\nsys.modules.update(dict.fromkeys({ABSENT!r}))\n"
-SECTIONS = ["environment", "kernels", "attention", "engine_smollm2", "engine_llama8b"]
+SECTIONS = ["environment", "kernels", "input_kernels", "attention", "engine_smollm2", "engine_llama8b"]
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +61,7 @@ def test_dry_run_gives_every_section_and_its_tables(tmp_path):
         assert data["greedy"]["identical"] == data["greedy"]["prompts"] == 4, data["greedy"]
         assert data["async_same_tokens"] == "4/4"
         assert data["decode_bandwidth"]["achieved_gbs"] > 0
+    assert report["sections"]["input_kernels"]["data"]["counts"]["passed"] >= 20
     kernels = report["sections"]["kernels"]["data"]["rows"]
     assert {(r[0], r[1]) for r in kernels} == {(d, c) for d in ("float32", "float16")
                                                 for c in ("prefill", "chunked prefill", "decode", "mixed varlen")}

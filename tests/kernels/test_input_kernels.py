@@ -17,6 +17,7 @@ Tolerances: none. Everything is integer indexing and copying, so results must be
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -29,6 +30,36 @@ from kernels import input_batch as ib
 
 MAX_MODEL_LEN = 40
 EXAMPLES = settings(max_examples=25, deadline=None)
+# Where the kernels run: "cpu" (Triton's interpreter) here; "cuda" on a GPU, where make gpu-report runs this file.
+DEVICE = os.environ.get("MINILLM_KERNEL_TEST_DEVICE", "cpu")
+
+
+def _run_kernel(fn, *args, **kwargs):
+    """``fn(*args, **kwargs, use_triton=True)`` on :data:`DEVICE`: the tensor arguments are copied there and, after
+    the call, back into the CPU tensors given (the kernels write in place); a returned tensor comes back to the CPU
+    (as the very tensor given, when it is one of them). On the CPU nothing is copied."""
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def there(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in moved:
+            moved[id(x)] = (x, x.to(DEVICE))
+        return moved[id(x)][1]
+
+    result = fn(*map(there, args), **{k: there(v) for k, v in kwargs.items()}, use_triton=True)
+    for cpu, dev in moved.values():
+        if dev is not cpu:
+            cpu.copy_(dev.cpu())
+
+    def back(r):
+        if isinstance(r, tuple):
+            return tuple(back(x) for x in r)
+        if isinstance(r, torch.Tensor):
+            same = [cpu for cpu, dev in moved.values() if dev.data_ptr() == r.data_ptr() and dev.shape == r.shape]
+            return same[0] if same else r.cpu()
+        return r
+    return back(result)
 
 
 def _i32(values) -> torch.Tensor:
@@ -154,7 +185,7 @@ def test_prepare_prefill_inputs_kernel_matches_reference(w, ids_dtype):
     input_ids = w.rand(-9, 0, w.num_tokens + 3, dtype=ids_dtype)
     state = (w.idx_mapping, w.query_start_loc, all_token_ids, w.prefill_len, w.num_computed)
     got, want, kernel_state = input_ids.clone(), input_ids.clone(), _clones(*state)
-    ib.prepare_prefill_inputs(got, *kernel_state, use_triton=True)
+    _run_kernel(ib.prepare_prefill_inputs, got, *kernel_state)
     ib.prepare_prefill_inputs(want, *state, use_triton=False)
     assert torch.equal(got, want)
     _assert_all_equal(kernel_state, state)  # the state is only read
@@ -185,7 +216,7 @@ def test_prepare_pos_seq_lens_kernel_matches_reference(w):
     seq_lens = w.rand(-9, 0, w.max_num_reqs + 2)
     got = (positions.clone(), seq_lens.clone())
     want = (positions.clone(), seq_lens.clone())
-    ib.prepare_pos_seq_lens(w.idx_mapping, w.query_start_loc, w.num_computed, *got, use_triton=True)
+    _run_kernel(ib.prepare_pos_seq_lens, w.idx_mapping, w.query_start_loc, w.num_computed, *got)
     ib.prepare_pos_seq_lens(w.idx_mapping, w.query_start_loc, w.num_computed, *want, use_triton=False)
     _assert_all_equal(got, want)
     assert torch.equal(want[1][:w.num_reqs], w.seq_lens)
@@ -243,7 +274,7 @@ def test_combine_sampled_and_draft_tokens_kernel_matches_reference(w, ids_dtype)
     args = (w.idx_mapping, last_sampled, w.query_start_loc, w.seq_lens, w.prefill_len, draft_tokens,
             w.cu_num_logits, w.num_logits)
     got, want, kernel_args = input_ids.clone(), input_ids.clone(), _clones(*args)
-    got_idx = ib.combine_sampled_and_draft_tokens(got, *kernel_args, use_triton=True)
+    got_idx = _run_kernel(ib.combine_sampled_and_draft_tokens, got, *kernel_args)
     want_idx = ib.combine_sampled_and_draft_tokens(want, *args, use_triton=False)
     _assert_all_equal((got_idx, got), (want_idx, want))
     _assert_all_equal(kernel_args[:-1], args[:-1])  # the state is only read
@@ -273,7 +304,7 @@ def test_get_num_sampled_and_rejected_kernel_matches_reference(w, data):
     num_sampled = _i32([data.draw(st.integers(0, n)) for n in row_logits])
     args = (w.seq_lens, w.cu_num_logits, w.idx_mapping, w.prefill_len)
     got_in, want_in = num_sampled.clone(), num_sampled.clone()
-    got = ib.get_num_sampled_and_rejected(got_in, *args, use_triton=True)
+    got = _run_kernel(ib.get_num_sampled_and_rejected, got_in, *args)
     want = ib.get_num_sampled_and_rejected(want_in, *args, use_triton=False)
     _assert_all_equal(got + (got_in,), want + (want_in,))
     assert got[0] is got_in
@@ -334,7 +365,7 @@ def test_post_update_kernel_on_the_worked_example(drop):
         if name == "draft_tokens":
             want["draft_tokens_out"] = got["draft_tokens_out"] = None
     ib.post_update(**want, use_triton=False)
-    ib.post_update(**got, use_triton=True)
+    _run_kernel(ib.post_update, **got)
     _assert_all_equal(list(got.values()), list(want.values()))
 
 
@@ -362,7 +393,7 @@ def test_post_update_kernel_matches_reference(w, data, sampled_dtype, with_qsl, 
         draft_tokens_out=w.rand(200, 300, w.max_num_reqs, w.num_spec, dtype=torch.int64) if with_drafts else None,
     )
     got = {name: v.clone() if v is not None else None for name, v in state.items()}
-    ib.post_update(**got, use_triton=True)
+    _run_kernel(ib.post_update, **got)
     ib.post_update(**state, use_triton=False)
     _assert_all_equal(list(got.values()), list(state.values()))
 
@@ -394,7 +425,7 @@ def test_gather_block_tables_kernel_matches_reference(w, max_blocks, extra_rows)
     num_blocks = w.rand(0, max_blocks + 1, w.max_num_reqs)
     out = w.rand(-9, 0, w.num_reqs + extra_rows, max_blocks)
     got_out, want_out, table = out.clone(), out.clone(), block_table.clone()
-    got = bt.gather_block_tables(w.idx_mapping, table, num_blocks, got_out, use_triton=True)
+    got = _run_kernel(bt.gather_block_tables, w.idx_mapping, table, num_blocks, got_out)
     want = bt.gather_block_tables(w.idx_mapping, block_table, num_blocks, want_out, use_triton=False)
     _assert_all_equal((got, got_out, table), (want, want_out, block_table))
     assert torch.equal(want_out[w.num_reqs:], out[w.num_reqs:])
@@ -424,7 +455,7 @@ def test_compute_slot_mappings_worked_example(pad_id):
     assert got.tolist() == [15, 28, 5, p, p, 9]
     assert out.tolist() == [15, 28, 5, p, p, 9, p, p, p]  # the tail past num_tokens padded too
     out_kernel = torch.full((9,), 77, dtype=torch.int64)
-    got_kernel = bt.compute_slot_mappings(idx, qsl, positions, block_table, 4, out_kernel, pad_id, use_triton=True)
+    got_kernel = _run_kernel(bt.compute_slot_mappings, idx, qsl, positions, block_table, 4, out_kernel, pad_id)
     assert got_kernel.tolist() == got.tolist() and torch.equal(out_kernel, out)
 
 
@@ -453,8 +484,8 @@ def test_compute_slot_mappings_kernel_matches_reference(w, data, block_size, ext
         positions[token_rows] += 10_000
     out = w.rand(100, 200, w.num_tokens + extra, dtype=torch.int64)
     got_out, want_out = out.clone(), out.clone()
-    got = bt.compute_slot_mappings(idx, w.query_start_loc, positions, block_table, block_size, got_out, pad_id,
-                                   use_triton=True)
+    got = _run_kernel(bt.compute_slot_mappings, idx, w.query_start_loc, positions, block_table, block_size, got_out,
+                      pad_id)
     want = bt.compute_slot_mappings(idx, w.query_start_loc, positions, block_table, block_size, want_out, pad_id,
                                     use_triton=False)
     _assert_all_equal((got, got_out), (want, want_out))

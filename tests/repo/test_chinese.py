@@ -244,7 +244,8 @@ def test_notebooks_chinese_follows_the_glossary():
 
 PAIRS = [("README.md", "README.zh-CN.md"), ("CONTRIBUTING.md", "CONTRIBUTING.zh-CN.md")] + [
     (f"docs/{page}.md", f"docs/{page}.zh-CN.md")
-    for page in ("architecture", "benchmarks", "exercises", "teaching", "serving", "troubleshooting", "website")]
+    for page in ("architecture", "benchmarks", "exercises", "gpu-report", "teaching", "serving", "troubleshooting",
+                 "website")]
 ZH_PAGES = [zh_name for _, zh_name in PAIRS]
 
 

@@ -41,8 +41,7 @@ def test_tiny_benchmark_run(smollm, hf_oracle):
     that path)."""
     w = make_workload(3, 8, 20, (2, 3), seed=1)
     peers = ("minillm", "minillm-ngram", "hf-padded", "hf-batch", "roofline")
-    # One round: transformers' continuous batching alone takes ~15 s a round here (it sizes its paged cache to the
-    # free memory); the rounds are tested below, on the cheaper peers.
+    # One round: the rounds are tested below, on the cheaper peers.
     report = run_benchmark(w, peers, model=smollm[0], tokenizer=smollm[1], hf_model=hf_oracle,
                            matmul_seconds=0.2, multiprocess=False)
     tps = report["tokens_per_second"]

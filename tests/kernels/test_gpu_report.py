@@ -61,6 +61,9 @@ def test_dry_run_gives_every_section_and_its_tables(tmp_path):
         assert data["greedy"]["identical"] == data["greedy"]["prompts"] == 4, data["greedy"]
         assert data["async_same_tokens"] == "4/4"
         assert data["decode_bandwidth"]["achieved_gbs"] > 0
+        systems = [row[0] for row in data["throughput"]["rows"]]
+        assert systems == ["minillm, async scheduling off", "minillm, async scheduling on",
+                           "transformers padded generate", "transformers continuous batching"], systems
     assert report["sections"]["input_kernels"]["data"]["counts"]["passed"] >= 20
     kernels = report["sections"]["kernels"]["data"]["rows"]
     assert {(r[0], r[1]) for r in kernels} == {(d, c) for d in ("float32", "float16")

@@ -17,13 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.input_batch import _pick_triton
+
 # Entries one program handles per loop iteration: a row or a query of any length is walked in chunks of this many.
 _BLOCK = 1024
-
-
-def _pick_triton(use_triton: bool | None, t: torch.Tensor) -> bool:
-    """The kernel for CUDA tensors unless told otherwise; on a CPU only when asked (it runs in the interpreter)."""
-    return t.is_cuda if use_triton is None else use_triton
 
 
 # ----------------------------------------------------------------------------------------------------------------

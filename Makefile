@@ -94,7 +94,6 @@ test-portable: setup
 		$(PY) -m pytest -n 2 --dist loadfile notebooks solutions $(NBVAL)
 	OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 $(PY) -m pytest -p no:xdist notebooks solutions $(NBVAL)
 
-# Every lesson run top to bottom in JupyterLab in Chromium (Run All), as after `make lab`; plus the widget clicks.
 # Every GPU number in one run (docs/gpu-report.md), on a GPU machine with python3 and its own torch, Triton and
 # transformers: no .venv, nothing from a registry, the tree on PYTHONPATH. Without a GPU it is the CPU dry run.
 # OUT: where report.md and report.json go. msgspec's wheel travels in .whl/ (make gpu-wheels, on a machine with PyPI).
@@ -109,6 +108,7 @@ gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(ROOT)/.whl msgspec==$(MSGSPEC)
 
+# Every lesson run top to bottom in JupyterLab in Chromium (Run All), as after `make lab`; plus the widget clicks.
 test-browser: setup
 	$(PY) -m pytest -p no:xdist tests/lab/test_browser.py tests/lab/browser_run_all.py
 

@@ -283,8 +283,10 @@ def _tie_gap(best_logit: float, dtype: Any) -> float:
     fp32. Random weights give logits of another scale than a trained model's, hence a gap relative to it."""
     import torch
 
+    from minillm.course.benchmarks.throughput import TIE_GAPS
+
     if dtype == torch.float32:
-        return 1e-4
+        return TIE_GAPS[torch.float32]
     return 4 * 2.0 ** (math.floor(math.log2(max(abs(best_logit), 1e-3))) - 7)
 
 

@@ -83,12 +83,9 @@ def test_unsolved_exercises_name_the_first_missing_part():
         learner.engine_parts(use_reference_for={"sampler"})
 
 
-@pytest.mark.slow
-def test_capstone_passes_with_the_solutions(model, tokenizer):
-    result = check_capstone(load_learner_parts(ROOT / "solutions"), model, tokenizer, run_engine)
-    assert result.num_preemptions >= 1 and result.num_cached_prompt_tokens > 0 and result.num_chunked_prompts >= 2
-    assert all(e is None or t == e for t, e in zip(result.tokens, result.expected))
-    assert result.tokens[0][:7] == tokenizer.encode("The capital of France is Paris.")
+# The capstone with the solutions' parts (check_capstone: every part agrees with the package's on every call, the
+# tokens equal transformers', the workload preempted, hit the prefix cache and chunked 2 prompts or more) is
+# solutions/08_capstone.ipynb's check cell, which make test runs under nbval: not run a second time here.
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from __future__ import annotations
 import html
 import os
 import re
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -402,11 +403,20 @@ def test_the_demo_grades_a_check_cell_pass_or_fail_whatever_it_displays(tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(GRADE_TIMEOUT)
 def test_scores_are_the_same_when_graded_again(course, graded):
-    # make test grades one chapter again (02: no model to load, seconds); make test-classroom all it graded.
-    chapters = CHAPTERS if CHOSEN else ["02_paged_kv_cache"]
-    grade_samples(course, chapters, ROOT / "solutions")
-    again = {a: {s: cell_scores(course, a, s) for s in SAMPLE_STUDENTS} for a in chapters}
-    assert again == {a: {s: graded[a][s] for s in SAMPLE_STUDENTS} for a in chapters}
+    if CHOSEN:  # make test-classroom: every sample student again on every chapter it graded
+        grade_samples(course, CHAPTERS, ROOT / "solutions")
+        again = {a: {s: cell_scores(course, a, s) for s in SAMPLE_STUDENTS} for a in CHAPTERS}
+        assert again == {a: {s: graded[a][s] for s in SAMPLE_STUDENTS} for a in CHAPTERS}
+        return
+    # make test: the half-solved student (some cells full, some zero) on chapter 02 (no model to load), its grading
+    # and feedback removed first so that nbgrader runs the notebook again rather than skip it.
+    assignment, student = "02_paged_kv_cache", "sample_half"
+    for step in ("autograded", "feedback"):
+        shutil.rmtree(course / step / student / assignment)
+    nbgrader(course, "autograde", assignment, "--student", student)
+    nbgrader(course, "generate_feedback", assignment, "--student", student)
+    assert (course / "feedback" / student / assignment / f"{assignment}.html").exists()
+    assert cell_scores(course, assignment, student) == graded[assignment][student]
 
 
 def test_the_classroom_extra_and_everything_it_pulls_in_are_pinned():

@@ -471,6 +471,7 @@ def check_capstone(learner: LearnerParts | EngineParts, model: Any, tokenizer: A
     # The workload must have needed every part, or "it agrees" would prove little.
     assert result.num_preemptions >= 1, "the capstone workload caused no preemption"
     assert result.num_cached_prompt_tokens > 0, "the capstone workload had no prefix-cache hit"
+    assert result.num_chunked_prompts >= 2, "the capstone workload prefilled fewer than 2 prompts in chunks"
     # (Graded, the KV cache manager's parts run inside the learner's scheduler, in the answer's process: checked
     # through the scheduler's results there, not counted here.)
     inside = {"allocate_slots", "block_hashes", "num_cached_tokens"} if grading.ACTIVE else set()

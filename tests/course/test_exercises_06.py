@@ -18,7 +18,7 @@ from minillm.attention.metadata import AttentionMetadata
 from minillm.request import RequestStatus
 from minillm.worker.model_runner import BatchInputs
 from tests.course.exercise_helpers import run_challenge as _run_challenge
-from tests.course.exercise_helpers import run_check
+from tests.course.exercise_helpers import run_check, run_check_with_answer
 
 SOLUTION = "06_engine.ipynb"
 
@@ -211,6 +211,18 @@ def test_check_61_fails_an_answer_that_calls_the_package(shared_model):
 
     _assert_caught(run_check(SOLUTION, "6.1", my_prepare_inputs=delegating), "asks you to write this yourself",
                    "prepare_inputs")
+
+
+@pytest.mark.slow
+def test_check_61_fails_an_answer_that_returns_the_checks_own_want(shared_model):
+    """The cheating student whose 6.1 answer no reading can refuse (tests/course/test_answer_lint.py): it returns
+    the ``want`` the check computes, read from the check's frame. Graded by nbgrader only in make test-classroom, so
+    run here in-process: the check computes its reference after the answer returns, and the answer fails."""
+    from tests.course.delegating_answers import CHEATS, cheat_cell
+
+    answer = cheat_cell("6.1", CHEATS["06_engine"]["cheat_captures"]["6.1"])
+    e = run_check_with_answer(SOLUTION, "6.1", answer)
+    assert isinstance(e, AssertionError), repr(e)
 
 
 @pytest.mark.slow

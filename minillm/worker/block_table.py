@@ -93,6 +93,13 @@ class BlockTables:
 
     def compute_slot_mappings(self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                               positions: torch.Tensor) -> torch.Tensor:
-        """Each of the step's tokens' cache slot, ``[num_tokens]`` int64 (a view into this object's buffer)."""
+        """Each of the step's tokens' cache slot, ``[num_tokens]`` int64 (a view into this object's buffer, which
+        doubles when a step holds more tokens than it does)."""
+        num_tokens = int(query_start_loc[idx_mapping.shape[0]])
+        if num_tokens > self.slot_mappings.shape[0]:
+            size = self.slot_mappings.shape[0]
+            while size < num_tokens:
+                size *= 2
+            self.slot_mappings = torch.zeros(size, dtype=torch.int64, device=self.device)
         return compute_slot_mappings(idx_mapping, query_start_loc, positions, self.block_table.gpu, self.block_size,
                                      self.slot_mappings)

@@ -235,7 +235,7 @@ def test_check_61_fails_an_answer_that_calls_the_runners_method(shared_model):
         from minillm.worker.model_runner import prepare_inputs
         runner = SimpleNamespace(prepare_inputs_fn=prepare_inputs, requests=requests, block_size=block_size,
                                  device=device)
-        return ModelRunner._prepare_inputs(runner, scheduler_output)   # the runner's own method, on a stand-in
+        return ModelRunner.prepare_inputs(runner, scheduler_output)   # the runner's own method, on a stand-in
 
     _assert_caught(run_check(SOLUTION, "6.1", my_prepare_inputs=delegating), "asks you to write this yourself")
 

@@ -139,9 +139,7 @@ class EngineCore:
                                         speculative_config=args.create_speculative_config(),
                                         kv_connector=self.kv_connector_worker,
                                         max_num_reqs=self.scheduler_config.max_num_seqs,
-                                        max_model_len=self.max_model_len,
-                                        max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
-                                        **self.parts.model_runner_fns())
+                                        max_model_len=self.max_model_len, **self.parts.model_runner_fns())
         self.tensor_parallel_size = args.tensor_parallel_size
         self.model_executor: Executor
         if args.resolved_distributed_executor_backend() == "uni":

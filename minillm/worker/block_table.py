@@ -32,7 +32,6 @@ class BlockTables:
         max_num_reqs: rows (slots).
         max_num_blocks_per_req: columns: the most blocks one request may hold (``ceil(max_model_len /
             block_size)``).
-        max_num_batched_tokens: the most tokens one step holds (the slot mapping's buffer).
         device: where the tables live.
 
     Attributes:
@@ -40,11 +39,10 @@ class BlockTables:
         num_blocks: ``[max_num_reqs]`` int32 (:class:`HostDeviceTensor`), the blocks each row holds.
     """
 
-    def __init__(self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int, max_num_batched_tokens: int,
+    def __init__(self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int,
                  device: torch.device | str = "cpu") -> None:
         for name, value in (("block_size", block_size), ("max_num_reqs", max_num_reqs),
-                            ("max_num_blocks_per_req", max_num_blocks_per_req),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
+                            ("max_num_blocks_per_req", max_num_blocks_per_req)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.block_size = block_size
@@ -53,9 +51,6 @@ class BlockTables:
         self.device = device = torch.device(device)
         self.block_table = HostDeviceTensor((max_num_reqs, max_num_blocks_per_req), np.int32, device)
         self.num_blocks = HostDeviceTensor(max_num_reqs, np.int32, device)
-        # The step's outputs, written in place each step (vLLM keeps them as persistent buffers for CUDA graphs).
-        self.input_block_table = torch.zeros(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device)
-        self.slot_mappings = torch.zeros(max_num_batched_tokens, dtype=torch.int64, device=device)
 
     def append_block_ids(self, req_index: int, new_block_ids: Sequence[int], overwrite: bool) -> None:
         """Append ``new_block_ids`` to row ``req_index``, or make them the whole row (``overwrite``: a request that
@@ -86,20 +81,16 @@ class BlockTables:
                 all of them.
 
         Returns:
-            ``[num_reqs, num_blocks_cols]`` int32, a view into this object's buffer (valid until the next step).
+            ``[num_reqs, num_blocks_cols]`` int32, the step's own tensor (vLLM gathers into a fixed buffer).
         """
-        rows = gather_block_tables(idx_mapping, self.block_table.gpu, self.num_blocks.gpu, self.input_block_table)
-        return rows if num_blocks_cols is None else rows[:, :num_blocks_cols]
+        out = torch.empty(idx_mapping.shape[0], self.max_num_blocks_per_req, dtype=torch.int32, device=self.device)
+        rows = gather_block_tables(idx_mapping, self.block_table.gpu, self.num_blocks.gpu, out)
+        return rows if num_blocks_cols is None else rows[:, :num_blocks_cols].contiguous()
 
     def compute_slot_mappings(self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                               positions: torch.Tensor) -> torch.Tensor:
-        """Each of the step's tokens' cache slot, ``[num_tokens]`` int64 (a view into this object's buffer, which
-        doubles when a step holds more tokens than it does)."""
+        """Each of the step's tokens' cache slot, ``[num_tokens]`` int64 (the step's own tensor)."""
         num_tokens = int(query_start_loc[idx_mapping.shape[0]])
-        if num_tokens > self.slot_mappings.shape[0]:
-            size = self.slot_mappings.shape[0]
-            while size < num_tokens:
-                size *= 2
-            self.slot_mappings = torch.zeros(size, dtype=torch.int64, device=self.device)
+        out = torch.empty(num_tokens, dtype=torch.int64, device=self.device)
         return compute_slot_mappings(idx_mapping, query_start_loc, positions, self.block_table.gpu, self.block_size,
-                                     self.slot_mappings)
+                                     out)

@@ -6,7 +6,9 @@ by the input kernels (``kernels/input_batch.py``): the prompt chunks and last sa
 ``input_ids``, the ``positions``, the ``seq_lens``, the rows to take logits at. Nothing is kept from step to step
 here: the state lives in the slots (:class:`~minillm.worker.states.RequestState`).
 
-vLLM counterpart: ``vllm/v1/worker/gpu/input_batch.py`` (``InputBuffers``, ``InputBatch``), Model Runner V2.
+vLLM counterpart: ``vllm/v1/worker/gpu/input_batch.py:InputBatch``, Model Runner V2, whose tensors are views of
+fixed buffers (``InputBuffers``, for its CUDA graphs); minillm's are each step's own, so a batch kept for inspection
+stays as it was.
 """
 from __future__ import annotations
 
@@ -16,38 +18,6 @@ import numpy as np
 import torch
 
 from minillm.attention.metadata import AttentionMetadata
-
-
-class InputBuffers:
-    """The step's input tensors, allocated once and written in place each step (vLLM keeps them fixed for CUDA
-    graphs); they grow if a step holds more tokens than they do.
-
-    Attributes:
-        input_ids: ``[max_num_tokens]`` int64.
-        positions: ``[max_num_tokens]`` int64.
-        query_start_loc: ``[max_num_reqs + 1]`` int32.
-        seq_lens: ``[max_num_reqs]`` int32.
-    """
-
-    def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device | str = "cpu") -> None:
-        self.max_num_reqs = max_num_reqs
-        self.device = torch.device(device)
-        self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=self.device)
-        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
-        self._allocate_tokens(max_num_tokens)
-
-    def _allocate_tokens(self, max_num_tokens: int) -> None:
-        self.max_num_tokens = max_num_tokens
-        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
-
-    def ensure_tokens(self, num_tokens: int) -> None:
-        """Room for ``num_tokens`` tokens (the buffers double until they have it)."""
-        if num_tokens > self.max_num_tokens:
-            size = self.max_num_tokens
-            while size < num_tokens:
-                size *= 2
-            self._allocate_tokens(size)
 
 
 @dataclass

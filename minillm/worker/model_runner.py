@@ -47,7 +47,7 @@ from minillm.sampling_params import SamplingParams, SamplingType
 from minillm.spec_decode.metadata import SpecDecodeMetadata
 from minillm.spec_decode.ngram_proposer import NgramProposer
 from minillm.worker.block_table import BlockTables
-from minillm.worker.input_batch import InputBatch, InputBuffers
+from minillm.worker.input_batch import InputBatch
 from minillm.worker.states import RequestState
 
 # The slots of the persistent batch when the caller does not say (the engine passes its max_num_seqs).
@@ -228,7 +228,6 @@ class ModelRunnerArgs(TypedDict, total=False):
     kv_connector: KVConnectorBase_V1 | None
     max_num_reqs: int | None
     max_model_len: int | None
-    max_num_batched_tokens: int | None
     num_kv_heads: int | None
 
 
@@ -293,7 +292,6 @@ class ModelRunner:
             ``num_blocks - 1`` (each request holds a block of its own), at most :data:`DEFAULT_MAX_NUM_REQS`.
         max_model_len: the most tokens one request may reach (the engine's ``max_model_len``); ``None``: the
             model's ``max_position_embeddings``.
-        max_num_batched_tokens: the tokens one step's buffers hold at first (they grow if a step holds more).
         num_kv_heads: the KV heads its cache holds: ``None`` for all of them; a tensor-parallel rank's share
             (its :class:`~minillm.model.llama_tp.TensorParallelLlamaForCausalLM` ``num_kv_heads``).
 
@@ -319,8 +317,7 @@ class ModelRunner:
                  top_k_top_p: Callable[..., torch.Tensor] = apply_top_k_top_p,
                  prepare_inputs_fn: Callable[..., BatchInputs] = prepare_inputs,
                  kv_connector: KVConnectorBase_V1 | None = None, max_num_reqs: int | None = None,
-                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 num_kv_heads: int | None = None) -> None:
+                 max_model_len: int | None = None, num_kv_heads: int | None = None) -> None:
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.model = model
@@ -345,12 +342,9 @@ class ModelRunner:
             max_num_reqs = max(1, min(num_blocks - 1, DEFAULT_MAX_NUM_REQS))
         self.max_num_reqs = max_num_reqs
         self.max_model_len = model.config.max_position_embeddings if max_model_len is None else max_model_len
-        max_num_tokens = max_num_batched_tokens or min(self.max_model_len, 2048)
         num_spec = 0 if speculative_config is None else speculative_config.num_speculative_tokens
         self.req_states = RequestState(max_num_reqs, self.max_model_len, num_spec, self.device)
-        self.block_tables = BlockTables(block_size, max_num_reqs, -(-self.max_model_len // block_size),
-                                        max_num_tokens, self.device)
-        self.input_buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
+        self.block_tables = BlockTables(block_size, max_num_reqs, -(-self.max_model_len // block_size), self.device)
         self.requests_info: dict[str, RequestInfo] = {}
         self.execute_model_state: ExecuteModelState | None = None
         self.last_inputs: InputBatch | None = None
@@ -471,30 +465,28 @@ class ModelRunner:
             raise RuntimeError(f"request {req_ids[i]!r}: scheduled tokens {num_computed[i]}..{seq_lens_np[i]} but the "
                                f"runner knows {num_known[i] - num_drafts[i]} tokens and {num_drafts[i]} drafts")
         num_tokens = int(num_sched.sum())
-        buffers = self.input_buffers
-        buffers.ensure_tokens(num_tokens)
+        # Each step's tensors are its own (vLLM writes them into fixed buffers, InputBuffers, for its CUDA graphs):
+        # a batch kept for inspection, like last_inputs, stays as it was.
         idx_mapping = torch.from_numpy(idx_np).to(dev)
         qsl_np = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(num_sched, out=qsl_np[1:])
-        query_start_loc = buffers.query_start_loc[:num_reqs + 1]
-        query_start_loc.copy_(torch.from_numpy(qsl_np))
+        query_start_loc = torch.from_numpy(qsl_np.copy()).to(dev)
         cu_logits_np = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(num_drafts + 1, out=cu_logits_np[1:])
         cu_num_logits = torch.from_numpy(cu_logits_np).to(dev)
         num_logits = int(cu_logits_np[-1])
 
         is_prefilling = states.num_computed_prefill_tokens[idx_np] < prefill_len
-        input_ids = buffers.input_ids[:num_tokens]
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        positions = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+        seq_lens = torch.empty(num_reqs, dtype=torch.int32, device=dev)
         if is_prefilling.any():
-            prepare_prefill_inputs(buffers.input_ids, idx_mapping, query_start_loc, states.all_token_ids,
+            prepare_prefill_inputs(input_ids, idx_mapping, query_start_loc, states.all_token_ids,
                                    states.prefill_len.gpu, states.num_computed_tokens)
-        prepare_pos_seq_lens(idx_mapping, query_start_loc, states.num_computed_tokens, buffers.positions,
-                             buffers.seq_lens)
-        seq_lens = buffers.seq_lens[:num_reqs]
+        prepare_pos_seq_lens(idx_mapping, query_start_loc, states.num_computed_tokens, positions, seq_lens)
         logits_indices = combine_sampled_and_draft_tokens(
-            buffers.input_ids, idx_mapping, states.last_sampled_tokens, query_start_loc, seq_lens,
+            input_ids, idx_mapping, states.last_sampled_tokens, query_start_loc, seq_lens,
             states.prefill_len.gpu, states.draft_tokens, cu_num_logits, num_logits)
-        positions = buffers.positions[:num_tokens]
         max_blocks = int(self.block_tables.num_blocks.np[idx_np].max())
         block_table = self.block_tables.gather_block_tables(idx_mapping, max_blocks)
         slot_mapping = self.block_tables.compute_slot_mappings(idx_mapping, query_start_loc, positions)

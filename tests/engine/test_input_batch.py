@@ -142,7 +142,7 @@ def test_a_freed_slot_is_taken_again_and_nothing_moves():
 @given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 16]), max_reqs=st.integers(1, 5))
 def test_block_tables_gather_and_map_slots_by_index(data, block_size, max_reqs):
     width = 6
-    tables = BlockTables(block_size, max_reqs, width, 64)
+    tables = BlockTables(block_size, max_reqs, width)
     rows: dict[int, list[int]] = {}
     for _ in range(data.draw(st.integers(1, 12))):
         slot = data.draw(st.integers(0, max_reqs - 1))

@@ -40,7 +40,7 @@ class HostDeviceTensor:
     vLLM counterpart: ``vllm/v1/worker/gpu/buffer_utils.py:UvaBackedTensor`` (``np``, ``gpu``, ``copy_to_uva``).
     """
 
-    def __init__(self, shape: int | tuple[int, ...], dtype: np.dtype, device: torch.device) -> None:
+    def __init__(self, shape: int | tuple[int, ...], dtype: type[np.int32], device: torch.device) -> None:
         # np.zeros maps zero pages lazily: slots and tokens never used cost no memory.
         self.np = np.zeros(shape, dtype=dtype)
         host = torch.from_numpy(self.np)

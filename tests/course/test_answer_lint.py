@@ -123,17 +123,13 @@ CHEATS: list[tuple[str, str, str]] = [
     ("2.1", "from minillm.attention.paged import compute_slot_mapping as csm", "target"),
     ("2.1", "import minillm.attention.paged as p\nq = p\nf = q.compute_slot_mapping", "target"),
     ("2.1", "def my(b, s, e, n):\n    return compute_slot_mapping(b, s, e, n)", "target"),
+    # 10.1's part lives in the course's tooling (minillm.course.persistent_batch): importing it is refused as such
     ("10.1", "from minillm.course.persistent_batch import update_states as ref\n"
-             "def update_states(batch, requests, so):\n    return ref(batch, requests, so)", "target"),
+             "def update_states(batch, requests, so):\n    return ref(batch, requests, so)", "import"),
     ("10.1", "from minillm.course import persistent_batch\n"
              "def update_states(batch, requests, so, _ref=persistent_batch.update_states):\n"
-             "    return _ref(batch, requests, so)", "target"),
-    ("10.1", "import minillm.course.persistent_batch as pb\nclass Mine:\n    update = pb.update_states", "target"),
-    ("10.1", "import functools\nfrom minillm.course.persistent_batch import update_states as u\n"
-             "g = functools.partial(u)", "target"),
-    ("10.1", "import copy\nimport minillm.course.persistent_batch as pb\ng = copy.deepcopy(pb.update_states)", "target"),
-    ("10.1", "from minillm.course import persistent_batch as p\nq = p\ng = q.update_states", "target"),
-    ("10.1", "import minillm.course.persistent_batch\ng = minillm.course.persistent_batch.update_states", "target"),
+             "    return _ref(batch, requests, so)", "import"),
+    ("10.1", "import minillm.course.persistent_batch as pb\ng = pb.update_states", "import"),
     ("4.2", "class S(Scheduler):\n    def _schedule_waiting(self, step):\n"
             "        return super()._schedule_waiting(step)", "target"),
     ("4.2", "class S(Scheduler):\n    def _schedule_waiting(self, step):\n"

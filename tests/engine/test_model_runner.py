@@ -180,3 +180,32 @@ def test_runner_rejects_an_unknown_backend():
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         ModelRunner(tiny_model(), num_blocks=4, block_size=4, attention_backend="flash")
 
+
+
+def test_a_step_is_two_calls_execute_model_then_sample_tokens():
+    """v0.33.0's Model Runner V2: execute_model runs the forward pass and returns None when there is something to
+    sample; sample_tokens samples it (the engine core computes the grammar bitmask in between: None here)."""
+    runner = ModelRunner(tiny_model(), num_blocks=16, block_size=4)
+    with pytest.raises(RuntimeError, match="sample_tokens needs a step whose execute_model returned None"):
+        runner.sample_tokens(None)
+    so = SchedulerOutput([_new("A", [1, 2, 3], [4])], CachedRequestData(), {"A": 3}, 3)
+    assert runner.execute_model(so) is None
+    with pytest.raises(ValueError, match="no structured outputs: grammar_output must be None"):
+        runner.sample_tokens(object())
+    out = runner.sample_tokens(None)  # the refused bitmask left the step to sample
+    assert out.req_ids == ["A"] and len(out.sampled_token_ids[0]) == 1
+    assert runner.req_states.token_ids("A") == [1, 2, 3, *out.sampled_token_ids[0]]
+    # A plan without tokens (only finished ids) gets its output from execute_model itself.
+    empty = SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"A"})
+    out = runner.execute_model(empty)
+    assert out is not None and out.req_ids == [] and runner.req_states.num_reqs == 0
+
+
+def test_an_abandoned_step_does_not_block_the_next():
+    """A step whose sampling never came (Ctrl-C or an error between the two calls; the engine core aborts its
+    requests) is dropped by the next execute_model."""
+    runner = ModelRunner(tiny_model(), num_blocks=16, block_size=4)
+    assert runner.execute_model(SchedulerOutput([_new("A", [1, 2, 3], [4])], CachedRequestData(), {"A": 3}, 3)) is None
+    so = SchedulerOutput([_new("B", [5, 6], [5])], CachedRequestData(), {"B": 2}, 2, finished_req_ids={"A"})
+    out = run_step(runner, so)
+    assert out.req_ids == ["B"] and set(runner.req_states.req_id_to_index) == {"B"}

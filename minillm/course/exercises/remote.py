@@ -362,13 +362,16 @@ _SAFE_CALLS: set[Any] = {set, frozenset, list, dict, tuple, complex, slice, rang
 
 
 def _package_class(module: str) -> bool:
+    # minillm.course.persistent_batch holds data only (the V1 runner's persistent batch that exercise 10.1 updates,
+    # and which travels between the check and the answer's process); the rest of minillm.course is the checks.
     return (module.startswith(("minillm.", "kernels.")) or module in ("minillm", "kernels")) and \
-        not module.startswith("minillm.course")
+        (not module.startswith("minillm.course") or module == "minillm.course.persistent_batch")
 
 
 class SafeUnpickler(pickle._Unpickler):
     """Reads what an answer's process sent. Classes come only from the engine's packages (never from
-    ``minillm.course``: the checks and the tripwire), from ``collections`` and a few of ``torch``'s value types; a
+    ``minillm.course``, the checks and the tripwire, but for the data of ``minillm.course.persistent_batch``), from
+    ``collections`` and a few of ``torch``'s value types; a
     call (``REDUCE``) is allowed only for plain containers, enums, msgspec structs, :func:`rebuild_tensor` and what
     ``persistent_load`` hands out. Anything else is a :class:`WireError`."""
 

@@ -1,4 +1,4 @@
-"""Per-step input-build time: ``prepare_inputs`` over the request states against the runner's persistent batch.
+"""Per-step input-build time: ``prepare_inputs`` over the request states against the runner's build from its slots.
 
 Run from the repository root (under a minute on 2 cores)::
 
@@ -12,13 +12,16 @@ timed, and they do not depend on the model's size. At every step, on the same ru
 
 - **old**: :func:`~minillm.worker.model_runner.prepare_inputs` (exercise 6.1's reference): fresh arrays from the
   :class:`CachedRequestState` of every scheduled request, a Python loop over the requests;
-- **persistent**: ``ModelRunner._prepare_inputs`` gathering the same :class:`BatchInputs` from the
-  :class:`~minillm.worker.input_batch.InputBatch` buffers with NumPy fancy indexing;
-- **upkeep**: the runner's whole ``_update_states`` of that step, the persistent batch's in-place updates included
-  (the price the persistent path pays before its gather; the old path needs the request-state half of it too).
+- **slots**: ``ModelRunner.prepare_inputs`` (Model Runner V2) building the step's
+  :class:`~minillm.worker.input_batch.InputBatch` by index from the :class:`~minillm.worker.states.RequestState`
+  slots with the input kernels of ``kernels/input_batch.py`` and ``kernels/block_table.py`` (their PyTorch
+  formulation on a CPU);
+- **upkeep**: the runner's ``finish_requests``, ``add_requests`` and ``update_requests`` of that step (the writes
+  into the slots that the build by index reads).
 
 Each build runs ``--reps`` times per step and its fastest run counts (the least disturbed by the machine's other
-load); the table gives the median over steps, by kind of step. The two builds are checked equal at every step.
+load); the table gives the median over steps, by kind of step. The two builds are checked equal, request by request,
+at every step.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from minillm.engine.arg_utils import EngineArgs  # noqa: E402
 from minillm.engine.llm_engine import LLMEngine  # noqa: E402
 from minillm.model.llama import LlamaForCausalLM  # noqa: E402
 from minillm.sampling_params import SamplingParams  # noqa: E402
-from minillm.worker.model_runner import ModelRunner, prepare_inputs  # noqa: E402
+from minillm.worker.model_runner import prepare_inputs  # noqa: E402
 
 SMALL = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -65,27 +68,39 @@ def measure(num_requests: int, reps: int, block_size: int) -> list[dict]:
                                                max_num_seqs=num_requests))
     runner = engine.model_runner
     records: list[dict] = []
-    update_states = runner._update_states
 
-    def timed_update(so):
-        t0 = time.perf_counter()
-        update_states(so)
-        records.append({"upkeep": (time.perf_counter() - t0) * 1e6})
+    def timed(name):
+        method = getattr(runner, name)
+
+        def run(so):
+            t0 = time.perf_counter()
+            method(so)
+            if name == "finish_requests":
+                records.append({"upkeep": 0.0})
+            records[-1]["upkeep"] += (time.perf_counter() - t0) * 1e6
+        return run
+
+    build = runner.prepare_inputs
 
     def timed_prepare(so):
         rec = records[-1]
-        old = lambda: prepare_inputs(so, runner.requests, runner.block_size, runner.device)  # noqa: E731
-        new = lambda: ModelRunner._prepare_inputs(runner, so)  # noqa: E731
-        got, want = new(), old()
-        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.slot_mapping, want.slot_mapping)
-        assert torch.equal(got.block_table, want.block_table) and torch.equal(got.positions, want.positions)
-        rec["old"], rec["new"] = _fastest_us(old, reps), _fastest_us(new, reps)
+        old = lambda: prepare_inputs(so, runner.request_views(so.num_scheduled_tokens), runner.block_size,  # noqa: E731
+                                     runner.device)
+        got, want = build(so), old()
+        gq, wq = got.query_start_loc.tolist(), want.query_start_loc.tolist()
+        for b, rid in enumerate(got.req_ids):
+            w = want.req_ids.index(rid)
+            for name in ("input_ids", "positions", "slot_mapping"):
+                assert torch.equal(getattr(got, name)[gq[b]:gq[b + 1]], getattr(want, name)[wq[w]:wq[w + 1]])
+            assert torch.equal(got.block_table[b], want.block_table[w])
+        rec["old"], rec["new"] = _fastest_us(old, reps), _fastest_us(lambda: build(so), reps)
         rec["reqs"], rec["tokens"] = len(so.num_scheduled_tokens), so.total_num_scheduled_tokens
         rec["kind"] = "decode" if so.total_num_scheduled_tokens == rec["reqs"] else "prefill+decode"
         return got
 
-    runner._update_states = timed_update
-    runner._prepare_inputs = timed_prepare
+    for name in ("finish_requests", "add_requests", "update_requests"):
+        setattr(runner, name, timed(name))
+    runner.prepare_inputs = timed_prepare
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
         engine.add_request(str(i), {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
@@ -95,7 +110,7 @@ def measure(num_requests: int, reps: int, block_size: int) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    rows = [("steps", "kind", "reqs/step", "tokens/step", "old µs", "persistent µs", "speed-up", "upkeep µs")]
+    rows = [("steps", "kind", "reqs/step", "tokens/step", "old µs", "slots µs", "speed-up", "upkeep µs")]
     for kind in ("prefill+decode", "decode", "all"):
         rs = [r for r in records if kind in ("all", r["kind"])]
         if not rs:
@@ -116,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.num_requests < 1 or args.reps < 1 or args.block_size < 1:
         raise ValueError(f"--num-requests, --reps and --block-size must be >= 1, got {args.num_requests}, "
                          f"{args.reps}, {args.block_size}")
-    torch.set_num_threads(1)  # the builds are single-threaded NumPy; keep the model's threads off the other core
+    torch.set_num_threads(1)  # the builds are small single-threaded ops; keep the model's threads off the other core
     t0 = time.perf_counter()
     records = measure(args.num_requests, args.reps, args.block_size)
     print(f"input build per step, {args.num_requests} requests (bench/throughput.py's workload), block size "

@@ -28,6 +28,13 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+def run_step(runner, scheduler_output):  # noqa: ANN001, ANN201 - a ModelRunner or a Worker; a ModelRunnerOutput
+    """One whole step on a model runner: ``execute_model`` then, when it has tokens to sample, ``sample_tokens``
+    (what the engine core does with ``grammar_output=None``)."""
+    output = runner.execute_model(scheduler_output)
+    return runner.sample_tokens(None) if output is None else output
+
+
 TINY: LlamaConfig = TINY_CONFIG  # chapter 10's tiny model is the same one
 
 

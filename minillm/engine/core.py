@@ -163,7 +163,7 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         # vLLM: VllmConfig.max_concurrent_batches, 2 with async scheduling (one step running, the next planned).
         self.batch_queue_size = 2 if async_scheduling else 1
-        self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if async_scheduling else None
+        self.batch_queue: deque[tuple[Future, SchedulerOutput, Future]] | None = deque() if async_scheduling else None
         self.step_fn = self.step_with_batch_queue if async_scheduling else self.step
         self.stats = EngineStats()
         self.last_scheduler_output: SchedulerOutput | None = None  # the latest step's plan (for teaching)
@@ -246,6 +246,10 @@ class EngineCore:
                 if self.timeline is not None:
                     self.timeline.append(("schedule", start, time.monotonic()))
             model_output = self.model_executor.execute_model(scheduler_output)
+            if model_output is None:
+                # Between the forward pass and sampling, vLLM's core computes the grammar bitmask of the step's
+                # structured-output requests (scheduler.get_grammar_bitmask); this engine has none yet: None.
+                model_output = self.model_executor.sample_tokens(None)
             return (self._update_from_output(scheduler_output, model_output),
                     scheduler_output.total_num_scheduled_tokens > 0)
         except BaseException:
@@ -270,13 +274,20 @@ class EngineCore:
         try:
             if can_plan:
                 scheduler_output = self._schedule()
-                future = self.model_executor.execute_model(scheduler_output, non_block=True)
+                exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
                 model_executed = scheduler_output.total_num_scheduled_tokens > 0
-                batch_queue.appendleft((future, scheduler_output))
+                # A step with tokens is sampled right after its forward pass, in the same queue of calls (vLLM
+                # computes the grammar bitmask first); an empty step's output comes from execute_model itself.
+                future = (self.model_executor.sample_tokens(None, non_block=True) if model_executed
+                          else exec_future)
+                batch_queue.appendleft((future, scheduler_output, exec_future))
                 if len(batch_queue) < self.batch_queue_size and model_executed:
                     return None, model_executed  # do not wait on step N while step N+1 can still be planned
-            future, scheduler_output = batch_queue.pop()
+            future, scheduler_output, exec_future = batch_queue.pop()
+            exec_future.result()  # a forward pass that failed raises here, with its own error
             model_output = future.result()
+            if model_output is None:
+                raise RuntimeError("a step without tokens to sample returned no output")
             return self._update_from_output(scheduler_output, model_output), model_executed
         except BaseException:
             self._abandon(None)
@@ -342,7 +353,7 @@ class EngineCore:
         the blocks it was to fill out of the prefix cache (hashed when allocated, their K/V maybe never written)."""
         try:
             if self.batch_queue:
-                for future, _ in self.batch_queue:  # let the executor's thread finish: it writes the KV cache
+                for future, _, _ in self.batch_queue:  # let the executor's thread finish: it writes the KV cache
                     try:
                         future.result()
                     except BaseException:  # noqa: BLE001 - the step's own error is the one being raised

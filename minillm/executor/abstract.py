@@ -36,16 +36,32 @@ class Executor(ABC):
 
     @overload
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+                      non_block: Literal[False] = False) -> ModelRunnerOutput | None: ...
 
     @overload
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput | None]: ...
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        """The first half of a step, the forward pass; with ``non_block`` return a future at once. ``None`` when the
+        step has tokens to sample: :meth:`sample_tokens` returns its output. Calls run in the order they were
+        given."""
+
+    @overload
+    def sample_tokens(self, grammar_output: object | None,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def sample_tokens(self, grammar_output: object | None,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
+    @abstractmethod
+    def sample_tokens(self, grammar_output: object | None,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        """Run one step; with ``non_block`` return a future at once. Steps run in the order they were given."""
+        """The second half of the step :meth:`execute_model` began: sampling, with the step's grammar bitmask
+        (structured outputs; ``None`` without them). vLLM v0.33.0: ``vllm/v1/executor/abstract.py:Executor``."""
 
     @abstractmethod
     def collective_rpc(self, method: str | Callable[..., object], args: tuple[object, ...] = (),

@@ -140,6 +140,7 @@ class MultiprocExecutor(Executor):
         start_timeout_s = check_timeout("start_timeout_s", start_timeout_s)
         self._call_ids = itertools.count()
         self.timeline = None  # (sent, answered) of each step while the engine core records a timeline
+        self._step_start: float | None = None  # when the latest step's execute_model was sent
 
         base = os.path.join(tempfile.gettempdir(), f"minillm-mp-{uuid.uuid4().hex[:12]}")
         paths = [base + "-rpc", base + "-out", base + "-init"]
@@ -254,19 +255,42 @@ class MultiprocExecutor(Executor):
 
     @overload
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+                      non_block: Literal[False] = False) -> ModelRunnerOutput | None: ...
 
     @overload
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput | None]: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        """Publish the step to every rank; rank 0's output comes back (the others ran the same step)."""
-        future: Future[ModelRunnerOutput] = self.collective_rpc(
+                      non_block: bool = False) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        """Publish the step to every rank; rank 0's answer comes back (the others ran the same step)."""
+        future: Future[ModelRunnerOutput | None] = self.collective_rpc(
             "execute_model", (scheduler_output,), unique_reply_rank=self.output_rank, non_block=True)
         if self.timeline is not None:
             start, timeline = time.monotonic(), self.timeline
+            self._step_start = start
+
+            def done(f: Future[ModelRunnerOutput | None]) -> None:
+                if f.exception() is None and f.result() is not None:  # no sampling to wait for: the step is over
+                    timeline.append((start, time.monotonic()))
+            future.add_done_callback(done)
+        return future if non_block else future.result()
+
+    @overload
+    def sample_tokens(self, grammar_output: object | None,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def sample_tokens(self, grammar_output: object | None,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
+    def sample_tokens(self, grammar_output: object | None,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Every rank samples its step (the same tokens: same logits, same seeds); rank 0's output comes back."""
+        future: Future[ModelRunnerOutput] = self.collective_rpc(
+            "sample_tokens", (grammar_output,), unique_reply_rank=self.output_rank, non_block=True)
+        if self.timeline is not None and self._step_start is not None:
+            start, timeline = self._step_start, self.timeline
             future.add_done_callback(lambda _: timeline.append((start, time.monotonic())))
         return future if non_block else future.result()
 

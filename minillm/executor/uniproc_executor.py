@@ -35,15 +35,24 @@ class UniProcExecutor(Executor):
         self._model_thread = model_thread  # every call runs there
         self._thread: ThreadPoolExecutor | None = None  # started for the first non-blocking step without one
         self.timeline = None
+        self._step_start: float | None = None
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.timeline is None:
-            return self.driver_worker.execute_model(scheduler_output)
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         start = time.monotonic()
-        try:
-            return self.driver_worker.execute_model(scheduler_output)
-        finally:
-            self.timeline.append((start, time.monotonic()))
+        output = self.driver_worker.execute_model(scheduler_output)
+        if self.timeline is not None:
+            if output is None:
+                self._step_start = start  # the step ends when its sampling does
+            else:
+                self.timeline.append((start, time.monotonic()))
+        return output
+
+    def _sample(self, grammar_output: object | None) -> ModelRunnerOutput:
+        output = self.driver_worker.sample_tokens(grammar_output)
+        if self.timeline is not None and self._step_start is not None:
+            self.timeline.append((self._step_start, time.monotonic()))
+        self._step_start = None
+        return output
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
@@ -51,22 +60,39 @@ class UniProcExecutor(Executor):
 
     @overload
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+                      non_block: Literal[False] = False) -> ModelRunnerOutput | None: ...
 
     @overload
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput | None]: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        return self._run(self._execute, scheduler_output, non_block)
+
+    @overload
+    def sample_tokens(self, grammar_output: object | None,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def sample_tokens(self, grammar_output: object | None,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
+    def sample_tokens(self, grammar_output: object | None,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        return self._run(self._sample, grammar_output, non_block)
+
+    def _run(self, fn: Callable[[Any], Any], arg: object, non_block: bool) -> Any:
+        """``fn(arg)`` on the model thread (or here, when there is none and ``non_block`` is not set); both halves
+        of every step go through the same one thread, so they run in the order they were given."""
         if self._model_thread is not None:
-            future = self._model_thread.submit(self._execute, scheduler_output)
+            future = self._model_thread.submit(fn, arg)
             return future if non_block else future.result()
         if not non_block:
-            return self._execute(scheduler_output)
+            return fn(arg)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-executor")
-        return self._thread.submit(self._execute, scheduler_output)
+        return self._thread.submit(fn, arg)
 
     def collective_rpc(self, method: str | Callable[..., object], args: tuple[object, ...] = (),
                        kwargs: Mapping[str, object] | None = None) -> list[Any]:

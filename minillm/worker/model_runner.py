@@ -22,6 +22,12 @@ from typing import Required, TypedDict
 import numpy as np
 import torch
 
+from kernels.input_batch import (
+    combine_sampled_and_draft_tokens,
+    post_update,
+    prepare_pos_seq_lens,
+    prepare_prefill_inputs,
+)
 from minillm.attention.backend import AttentionImpl
 from minillm.attention.metadata import AttentionMetadata
 from minillm.attention.paged import BACKENDS, PagedAttention, allocate_kv_caches
@@ -40,7 +46,9 @@ from minillm.sample.sampler import Sampler
 from minillm.sampling_params import SamplingParams, SamplingType
 from minillm.spec_decode.metadata import SpecDecodeMetadata
 from minillm.spec_decode.ngram_proposer import NgramProposer
+from minillm.worker.block_table import BlockTables
 from minillm.worker.input_batch import InputBatch
+from minillm.worker.states import RequestState
 
 # The slots of the persistent batch when the caller does not say (the engine passes its max_num_seqs).
 DEFAULT_MAX_NUM_REQS = 1024
@@ -193,6 +201,18 @@ def prepare_inputs(scheduler_output: SchedulerOutput, requests: dict[str, Cached
                        torch.from_numpy(cu - 1).to(dev), discard_request_mask, drafts)
 
 
+def sort_batch_req_ids(num_scheduled_tokens: dict[str, int], draft_tokens: dict[str, list[int]],
+                       decode_query_len: int = 1) -> list[str]:
+    """The step's batch order: requests verifying drafts first, then decodes (``decode_query_len`` tokens), then the
+    others by their number of tokens (short extends before long prefills); ties keep the scheduler's order.
+
+    vLLM v0.33.0: ``vllm/v1/worker/gpu/model_runner.py:sort_batch_req_ids`` (attention backends that split a batch
+    into decodes and prefills want the decode-like rows first).
+    """
+    return sorted(num_scheduled_tokens, key=lambda r: (not draft_tokens.get(r),
+                                                        (n := num_scheduled_tokens[r]) != decode_query_len, n))
+
+
 class ModelRunnerArgs(TypedDict, total=False):
     """:class:`ModelRunner`'s keyword arguments, as the engine core hands them to each worker."""
 
@@ -211,8 +231,44 @@ class ModelRunnerArgs(TypedDict, total=False):
     num_kv_heads: int | None
 
 
+@dataclass
+class RequestInfo:
+    """What the runner keeps of a request from its arrival until it finishes, whether it holds a slot or not (a
+    preempted request gives its slot back and gets a new one when it resumes).
+
+    Attributes:
+        sampling_params: how to sample its tokens.
+        prompt_len: tokens of its prompt (the rest of its tokens are outputs: penalties and ``min_tokens`` tell them
+            apart).
+        generator: its own random generator when it has a ``seed``; kept across preemptions, so a seeded request
+            draws the same tokens whether it was preempted or not.
+    """
+
+    sampling_params: SamplingParams
+    prompt_len: int
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class ExecuteModelState:
+    """What :meth:`ModelRunner.execute_model` leaves for :meth:`ModelRunner.sample_tokens`: the step's batch and
+    the hidden states of its tokens, ``[num_tokens, hidden_size]``."""
+
+    input_batch: InputBatch
+    hidden_states: torch.Tensor
+    kv_connector_output: KVConnectorOutput | None
+    start: float
+
+
 class ModelRunner:
-    """Owns the paged KV cache and runs the model on scheduler outputs.
+    """Owns the paged KV cache and runs the model on scheduler outputs, as vLLM v0.33.0's Model Runner V2 does.
+
+    Each step comes in two calls. :meth:`execute_model` frees the slots of finished and preempted requests, gives
+    new and resumed ones a slot (:class:`~minillm.worker.states.RequestState`), writes the step's new blocks and
+    context lengths, builds the step's :class:`~minillm.worker.input_batch.InputBatch` by index from the slots
+    (:meth:`prepare_inputs`, with the input kernels) and runs the model. :meth:`sample_tokens` then samples (between
+    the two calls vLLM's engine core computes the grammar bitmask of structured outputs), folds the kept tokens into
+    the slots (:func:`kernels.input_batch.post_update`) and proposes n-gram drafts.
 
     Args:
         model: the model (:class:`~minillm.model.llama.LlamaForCausalLM`), or a tensor-parallel rank's shard of it
@@ -228,28 +284,30 @@ class ModelRunner:
             request by request over its gathered paged K/V (chapter 8 hands a learner's down here).
         top_k_top_p: the sampler's top-k/top-p filter (exercise 5.1's signature; default: the package's).
         prepare_inputs_fn: the step's input build (exercise 6.1's signature); the package's own
-            :func:`prepare_inputs` means: gather from the persistent batch.
+            :func:`prepare_inputs` means: build it from the slots with the input kernels. A learner's (chapter 8) is
+            called as ``prepare_inputs(scheduler_output, requests, block_size, device)`` with
+            :meth:`request_views` of the scheduled requests.
         kv_connector: the worker side of a KV connector (chapter 9), or ``None``.
-        max_num_reqs: slots of the persistent batch, the most requests one step may schedule (the engine's
-            ``max_num_seqs``); ``None``: ``num_blocks - 1`` (each scheduled request holds a block of its own), at
-            most :data:`DEFAULT_MAX_NUM_REQS`.
+        max_num_reqs: slots, the most requests the runner holds at once (the engine's ``max_num_seqs``); ``None``:
+            ``num_blocks - 1`` (each request holds a block of its own), at most :data:`DEFAULT_MAX_NUM_REQS`.
         max_model_len: the most tokens one request may reach (the engine's ``max_model_len``); ``None``: the
             model's ``max_position_embeddings``.
         num_kv_heads: the KV heads its cache holds: ``None`` for all of them; a tensor-parallel rank's share
             (its :class:`~minillm.model.llama_tp.TensorParallelLlamaForCausalLM` ``num_kv_heads``).
 
     Attributes:
-        requests: request id -> :class:`CachedRequestState`, every request the runner holds (preempted ones too).
-        input_batch: the persistent batch (:class:`~minillm.worker.input_batch.InputBatch`) of the requests
-            scheduled in the latest step, updated in place by :meth:`_update_states` and after sampling.
+        req_states: the slots (:class:`~minillm.worker.states.RequestState`).
+        block_tables: their block tables (:class:`~minillm.worker.block_table.BlockTables`).
+        requests_info: request id -> :class:`RequestInfo`, every request the runner holds (preempted ones too).
         kv_caches: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads,
             head_dim]``.
-        last_inputs: the :class:`BatchInputs` of the latest step (for inspection and teaching).
+        last_inputs: the :class:`~minillm.worker.input_batch.InputBatch` of the latest step (for inspection and
+            teaching).
         last_sampler_output: the latest step's :class:`~minillm.outputs.SamplerOutput`, one row per scheduled
             request in ``last_inputs.req_ids`` order: ``sampled_token_ids`` int32 ``[num_reqs, 1]`` without drafts,
             ``[num_reqs, max_num_draft + 1]`` with them. Rows where ``last_inputs.discard_request_mask`` is set hold
             a token that was sampled and then dropped (it never reaches the request or the outputs).
-        last_step_seconds: wall time of the latest :meth:`execute_model`.
+        last_step_seconds: wall time of the latest step, both calls.
     """
 
     def __init__(self, model: LlamaForCausalLM | TensorParallelLlamaForCausalLM, num_blocks: int, block_size: int,
@@ -278,127 +336,203 @@ class ModelRunner:
         if speculative_config is not None:
             self.drafter = NgramProposer(speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max,
                                          speculative_config.num_speculative_tokens)
-        self.requests: dict[str, CachedRequestState] = {}
         if max_num_reqs is None:
             # Every scheduled request computes at least its last token into a block of its own, so no more than
-            # num_blocks - 1 requests run in one step; the cap keeps a huge cache from sizing the batch.
+            # num_blocks - 1 requests run in one step; the cap keeps a huge cache from sizing the slots.
             max_num_reqs = max(1, min(num_blocks - 1, DEFAULT_MAX_NUM_REQS))
-        self.input_batch = InputBatch(max_num_reqs,
-                                      model.config.max_position_embeddings if max_model_len is None else max_model_len,
-                                      block_size)
-        self.last_inputs: BatchInputs | None = None
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = model.config.max_position_embeddings if max_model_len is None else max_model_len
+        num_spec = 0 if speculative_config is None else speculative_config.num_speculative_tokens
+        self.req_states = RequestState(max_num_reqs, self.max_model_len, num_spec, self.device)
+        self.block_tables = BlockTables(block_size, max_num_reqs, -(-self.max_model_len // block_size), self.device)
+        self.requests_info: dict[str, RequestInfo] = {}
+        self.execute_model_state: ExecuteModelState | None = None
+        self.last_inputs: InputBatch | None = None
         self.last_sampler_output: SamplerOutput | None = None
         self.last_step_seconds = 0.0
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_caches)
 
-    # -- 1. requests ----------------------------------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
-        """Apply the step's diffs to the request states and the persistent batch, in vLLM's order: finished requests
-        leave both; requests not scheduled now (preempted, or left out by the budget) leave the batch but keep their
-        state; new ones arrive; scheduled cached ones get their context length and new blocks (those not in the
-        batch come back whole from their state); then the holes are condensed and the drafts written."""
-        batch = self.input_batch
+    # -- 1. requests in and out of the slots ------------------------------------------------------------------------
+    def finish_requests(self, so: SchedulerOutput) -> None:
+        """Free the slots of the requests that finished or were preempted, in sorted order (so every
+        tensor-parallel rank frees them alike). A finished request is forgotten; a preempted one keeps its
+        :class:`RequestInfo` (its sampling parameters and seeded generator) for its resumption."""
+        for rid in sorted(so.finished_req_ids | so.preempted_req_ids):
+            self.req_states.remove_request(rid)
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
-            batch.remove_request(rid)
-        cached = so.scheduled_cached_reqs
-        # A resumed request counts as unscheduled: its blocks and tokens are replaced whole, so it re-enters.
-        scheduled = so.num_scheduled_tokens.keys() - cached.resumed_req_ids
-        for rid in batch.req_id_to_index.keys() - scheduled:
-            batch.remove_request(rid)
+            self.requests_info.pop(rid, None)
 
-        to_add: list[CachedRequestState] = []
+    def add_requests(self, so: SchedulerOutput) -> None:
+        """Give each new request, and each request resumed after preemption, a slot: its tokens (the prompt; for a
+        resumed one the prompt and its outputs, all fed again as a prefill), its blocks (the whole list) and where its
+        step starts."""
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
             if params.sampling_type == SamplingType.RANDOM_SEED and params.seed is not None:
                 gen = make_generator(params.seed, self.device)
-            state = CachedRequestState(new.req_id, len(new.prompt_token_ids), params, list(new.prompt_token_ids),
-                                       list(new.block_ids), new.num_computed_tokens, gen)
-            self.requests[new.req_id] = state
-            to_add.append(state)
+            self.requests_info[new.req_id] = RequestInfo(params, len(new.prompt_token_ids), gen)
+            self._add(new.req_id, new.prompt_token_ids, new.block_ids, new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            state = self.requests[rid]
-            resent = rid in cached.all_token_ids
-            if resent:
-                state.token_ids = list(cached.all_token_ids[rid])
             if rid in cached.resumed_req_ids:
-                state.block_ids = list(cached.new_block_ids[i])  # its old blocks were freed: a whole new list
-            else:
-                state.block_ids.extend(cached.new_block_ids[i])
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            slot = batch.req_id_to_index.get(rid)
-            if slot is None:
-                to_add.append(state)
-                continue
-            batch.num_computed_tokens_cpu[slot] = state.num_computed_tokens
-            batch.block_table.append_row(cached.new_block_ids[i], slot)
-            if resent:
-                batch.set_token_ids(slot, state.token_ids)
-        for state in to_add:
-            batch.add_request(state)  # the lowest holes first
-        batch.condense()
-        # Last, once every request is in its final slot (a move would carry its drafts along, too).
-        for rid, drafts in so.scheduled_spec_decode_tokens.items():
-            batch.update_req_spec_token_ids(rid, drafts)
+                if rid not in cached.all_token_ids:
+                    raise RuntimeError(f"request {rid!r} resumes without its tokens: a resumed request's "
+                                       f"all_token_ids must come with the plan")
+                self._add(rid, cached.all_token_ids[rid], cached.new_block_ids[i], cached.num_computed_tokens[i])
 
-    # -- 2. the flat batch ----------------------------------------------------------------------------------------
-    def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
-        """The step's :class:`BatchInputs`. With the package's own :func:`prepare_inputs` as ``prepare_inputs_fn``,
-        gathered from the persistent batch (the same batch :func:`prepare_inputs` builds from the request states,
-        field by field); with a learner's function there (chapter 8), that function's, called as
-        ``prepare_inputs(scheduler_output, requests, block_size, device)``."""
+    def _add(self, rid: str, token_ids: list[int], block_ids: list[int], num_computed_tokens: int) -> None:
+        if rid not in self.requests_info:
+            raise RuntimeError(f"request {rid!r} was never sent to this runner as a new request")
+        self.req_states.remove_request(rid)  # resumed while it still held a slot (preempted between two plans)
+        idx = self.req_states.add_request(rid, self.requests_info[rid].prompt_len, token_ids, num_computed_tokens)
+        self.block_tables.append_block_ids(idx, block_ids, overwrite=True)
+
+    def update_requests(self, so: SchedulerOutput) -> None:
+        """The scheduled requests that kept their slot: their new blocks, where their step starts (the scheduler's
+        number: it knows how many drafts were accepted), tokens resent whole (a token this runner appended was
+        dropped, or the request recomputes after a failed KV load), and the drafts they verify."""
+        cached = so.scheduled_cached_reqs
+        states = self.req_states
+        for i, rid in enumerate(cached.req_ids):
+            if rid in cached.resumed_req_ids:
+                continue
+            idx = states.req_id_to_index.get(rid)
+            if idx is None:
+                raise RuntimeError(f"request {rid!r} is scheduled as running but holds no slot in this runner")
+            if rid in cached.all_token_ids:
+                states.replace_tokens(idx, cached.all_token_ids[rid])
+            states.set_num_computed_tokens(idx, cached.num_computed_tokens[i])
+            if cached.new_block_ids[i]:
+                self.block_tables.append_block_ids(idx, cached.new_block_ids[i], overwrite=False)
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            if drafts:
+                idx = states.req_id_to_index[rid]
+                states.draft_tokens[idx, :len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
+
+    @property
+    def requests(self) -> dict[str, CachedRequestState]:
+        """Every request that holds a slot, as chapter 6's :class:`CachedRequestState` (:meth:`request_views`: a
+        snapshot read back from the slots, for inspection; a preempted request holds none until it resumes)."""
+        return self.request_views()
+
+    def request_views(self, req_ids: Iterable[str] | None = None) -> dict[str, CachedRequestState]:
+        """Chapter 6's view of requests that hold a slot (default: all of them), read back from the slots: their
+        tokens, blocks and context length (copies: changing them changes nothing here)."""
+        states, tables = self.req_states, self.block_tables
+        views = {}
+        for rid in states.req_id_to_index if req_ids is None else req_ids:
+            idx = states.req_id_to_index[rid]
+            info = self.requests_info[rid]
+            views[rid] = CachedRequestState(
+                rid, info.prompt_len, info.sampling_params, states.token_ids(rid),
+                tables.block_table.np[idx, :tables.num_blocks.np[idx]].tolist(),
+                int(states.num_computed_tokens_np[idx]), info.generator)
+        return views
+
+    # -- 2. the step's batch, by index ------------------------------------------------------------------------------
+    def prepare_inputs(self, so: SchedulerOutput) -> InputBatch:
+        """The step's :class:`~minillm.worker.input_batch.InputBatch`, built from the slots by the input kernels:
+        ``prepare_prefill_inputs`` (prompt chunks), ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``
+        (last sampled tokens and drafts; the logits rows), ``gather_block_tables`` and ``compute_slot_mappings``.
+
+        Raises:
+            RuntimeError: the plan schedules tokens the runner does not hold (past its tokens and drafts).
+
+        vLLM v0.33.0: ``vllm/v1/worker/gpu/model_runner.py:GPUModelRunner.gather_batch_req_state`` and
+        ``prepare_inputs``.
+        """
         if self.prepare_inputs_fn is not prepare_inputs:
-            return self.prepare_inputs_fn(so, self.requests, self.block_size, self.device)
-        batch, bs = self.input_batch, self.block_size
-        req_ids = list(so.num_scheduled_tokens)
+            return self._from_learners_inputs(so)
+        states, dev = self.req_states, self.device
+        drafts = so.scheduled_spec_decode_tokens
+        req_ids = sort_batch_req_ids(so.num_scheduled_tokens, drafts)
         num_reqs = len(req_ids)
-        # The batch keeps the scheduler's order; req_indices[i] is the slot of its i-th request.
-        req_indices = np.fromiter((batch.req_id_to_index[rid] for rid in req_ids), dtype=np.int64, count=num_reqs)
-        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
-        drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]
-        num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=num_reqs)
-        num_computed = batch.num_computed_tokens_cpu[req_indices].astype(np.int64)
-        num_known = batch.num_tokens_no_spec[req_indices] + num_drafts  # drafts sit right after the tokens
-        seq_lens = num_computed + num_sched
-        bad = np.nonzero((seq_lens > num_known) | ((num_drafts > 0) & (seq_lens != num_known)))[0]
+        num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int32, count=num_reqs)
+        idx_np = np.fromiter(map(states.req_id_to_index.__getitem__, req_ids), dtype=np.int64, count=num_reqs)
+        draft_lists = [drafts.get(rid, []) for rid in req_ids]
+        num_drafts = np.fromiter(map(len, draft_lists), dtype=np.int32, count=num_reqs)
+        num_computed = states.num_computed_tokens_np[idx_np].astype(np.int64)
+        prefill_len = states.prefill_len.np[idx_np]
+        # The host's count of each slot's tokens: prefill tokens, plus one per decode step so far.
+        num_known = states.total_len[torch.from_numpy(idx_np).to(dev)].cpu().numpy().astype(np.int64) + num_drafts
+        seq_lens_np = num_computed + num_sched
+        bad = np.nonzero((seq_lens_np > num_known) | ((num_drafts > 0) & (seq_lens_np != num_known)))[0]
         if bad.size:  # drafts are always the last scheduled tokens
             i = int(bad[0])
-            raise RuntimeError(f"request {req_ids[i]!r}: scheduled tokens {num_computed[i]}..{seq_lens[i]} but the "
+            raise RuntimeError(f"request {req_ids[i]!r}: scheduled tokens {num_computed[i]}..{seq_lens_np[i]} but the "
                                f"runner knows {num_known[i] - num_drafts[i]} tokens and {num_drafts[i]} drafts")
-        cu = np.cumsum(num_sched)
-        total = int(cu[-1])
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        query_start_loc[1:] = cu
+        num_tokens = int(num_sched.sum())
+        # Each step's tensors are its own (vLLM writes them into fixed buffers, InputBuffers, for its CUDA graphs):
+        # a batch kept for inspection, like last_inputs, stays as it was.
+        idx_mapping = torch.from_numpy(idx_np).to(dev)
+        qsl_np = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(num_sched, out=qsl_np[1:])
+        query_start_loc = torch.from_numpy(qsl_np.copy()).to(dev)
+        cu_logits_np = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(num_drafts + 1, out=cu_logits_np[1:])
+        cu_num_logits = torch.from_numpy(cu_logits_np).to(dev)
+        num_logits = int(cu_logits_np[-1])
 
-        # E.g. num_sched [2, 5, 3] -> req_idx [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]; with num_computed [4, 0, 7]
-        # positions [4, 5, 0, 1, 2, 3, 4, 7, 8, 9].
-        req_idx = np.repeat(np.arange(num_reqs), num_sched)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(cu - num_sched - num_computed, num_sched)
-        # Token (slot s, position p) is element s * max_model_len + p of the flattened buffer: one gather for the
-        # whole step. E.g. slots [3, 0], positions [[4, 5], [0]] -> [3M + 4, 3M + 5, 0] with M = max_model_len.
-        token_indices = req_indices[req_idx] * batch.max_model_len + positions
-        input_ids = batch.token_ids_cpu.ravel()[token_indices].astype(np.int64)
-        max_blocks = int(batch.block_table.num_blocks_per_row[req_indices].max())
-        block_table = batch.block_table.block_table[req_indices, :max_blocks]  # rows padded with the null block 0
-        slot_mapping = block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        # Mid-prefill: this step ends before the request's known tokens do (see prepare_inputs).
-        discard_request_mask = seq_lens < num_known
-        seq_lens = seq_lens.astype(np.int32)
+        is_prefilling = states.num_computed_prefill_tokens[idx_np] < prefill_len
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        positions = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+        seq_lens = torch.empty(num_reqs, dtype=torch.int32, device=dev)
+        if is_prefilling.any():
+            prepare_prefill_inputs(input_ids, idx_mapping, query_start_loc, states.all_token_ids,
+                                   states.prefill_len.gpu, states.num_computed_tokens)
+        prepare_pos_seq_lens(idx_mapping, query_start_loc, states.num_computed_tokens, positions, seq_lens)
+        logits_indices = combine_sampled_and_draft_tokens(
+            input_ids, idx_mapping, states.last_sampled_tokens, query_start_loc, seq_lens,
+            states.prefill_len.gpu, states.draft_tokens, cu_num_logits, num_logits)
+        max_blocks = int(self.block_tables.num_blocks.np[idx_np].max())
+        block_table = self.block_tables.gather_block_tables(idx_mapping, max_blocks)
+        slot_mapping = self.block_tables.compute_slot_mappings(idx_mapping, query_start_loc, positions)
+        md = AttentionMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                               slot_mapping=slot_mapping, max_query_len=int(num_sched.max()),
+                               max_seq_len=int(seq_lens_np.max()))
+        return InputBatch(
+            req_ids=req_ids, num_reqs=num_reqs, idx_mapping=idx_mapping, idx_mapping_np=idx_np,
+            num_scheduled_tokens=num_sched, num_tokens=num_tokens, num_draft_tokens=int(num_drafts.sum()),
+            num_draft_tokens_per_req=num_drafts if drafts else None, query_start_loc=query_start_loc,
+            query_start_loc_np=qsl_np, seq_lens=seq_lens, seq_lens_np=seq_lens_np.astype(np.int32),
+            is_prefilling_np=is_prefilling, input_ids=input_ids, positions=positions, logits_indices=logits_indices,
+            cu_num_logits=cu_num_logits, cu_num_logits_np=cu_logits_np,
+            # Mid-prefill: this step ends before the request's known tokens do, so the token predicted at its last
+            # row is already known (vLLM: seq_lens < num_tokens).
+            discard_request_mask=seq_lens_np < num_known, attn_metadata=md, draft_token_ids=draft_lists)
 
+    def _from_learners_inputs(self, so: SchedulerOutput) -> InputBatch:
+        """The step's batch from a learner's ``prepare_inputs`` (chapter 8), in the learner's row order."""
+        views = self.request_views(so.num_scheduled_tokens)
+        x = self.prepare_inputs_fn(so, views, self.block_size, self.device)
         dev = self.device
-        md = AttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        return BatchInputs(req_ids, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
-                           torch.from_numpy(cu - 1).to(dev), discard_request_mask, drafts)
+        num_reqs = len(x.req_ids)
+        idx_np = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, x.req_ids), dtype=np.int64,
+                             count=num_reqs)
+        num_drafts = np.fromiter(map(len, x.draft_token_ids), dtype=np.int32, count=num_reqs)
+        cu_logits_np = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(num_drafts + 1, out=cu_logits_np[1:])
+        # Each row's logits: its drafts' rows and the one before them, ending at its last row.
+        ends = x.logits_indices.tolist()
+        logits_indices = torch.tensor([j for e, d in zip(ends, num_drafts.tolist(), strict=True)
+                                       for j in range(e - d, e + 1)], dtype=torch.int64, device=dev)
+        qsl_np = x.query_start_loc.cpu().numpy().astype(np.int32)
+        num_sched = np.diff(qsl_np).astype(np.int32)
+        seq_lens_np = x.seq_lens.cpu().numpy().astype(np.int32)
+        prefill_len = self.req_states.prefill_len.np[idx_np]
+        return InputBatch(
+            req_ids=list(x.req_ids), num_reqs=num_reqs, idx_mapping=torch.from_numpy(idx_np).to(dev),
+            idx_mapping_np=idx_np, num_scheduled_tokens=num_sched, num_tokens=x.num_tokens,
+            num_draft_tokens=int(num_drafts.sum()), num_draft_tokens_per_req=num_drafts if num_drafts.any() else None,
+            query_start_loc=x.query_start_loc, query_start_loc_np=qsl_np, seq_lens=x.seq_lens,
+            seq_lens_np=seq_lens_np, is_prefilling_np=seq_lens_np - num_sched < prefill_len,
+            input_ids=x.input_ids, positions=x.positions, logits_indices=logits_indices,
+            cu_num_logits=torch.from_numpy(cu_logits_np).to(dev), cu_num_logits_np=cu_logits_np,
+            discard_request_mask=np.asarray(x.discard_request_mask, dtype=bool), attn_metadata=x.attn_metadata,
+            draft_token_ids=[list(d) for d in x.draft_token_ids])
 
     def make_attention(self, md: AttentionMetadata) -> AttentionImpl:
         """The :class:`~minillm.attention.backend.AttentionImpl` of one step: ``attention_fn`` request by request
@@ -414,110 +548,149 @@ class ModelRunner:
             return KVConnectorAttention(attn, self.kv_connector, self.kv_caches, md)
         return attn
 
-    # -- 3 + 4. model and sampler ---------------------------------------------------------------------------------
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.sampling_params for s in states]
+    # -- 3. the forward pass ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The first half of a step: update the slots from the plan, build the batch, run the model.
+
+        Returns:
+            ``None`` when the step has tokens to sample: :meth:`sample_tokens` returns its output. A plan that
+            schedules no token gets its (empty) :class:`ModelRunnerOutput` here, with the KV connector's report.
+
+        vLLM v0.33.0: ``vllm/v1/worker/gpu/model_runner.py:GPUModelRunner.execute_model``.
+        """
+        # A step never sampled was abandoned (the engine core aborts the requests it touched after a failure or a
+        # Ctrl-C between the two calls): its hidden states go.
+        self.execute_model_state = None
+        start = time.perf_counter()
+        so = scheduler_output
+        connector = self.kv_connector
+        if connector is not None:
+            # The connector's step: bind the plan, load before the forward pass (layers save during it), then
+            # submit the saves and report what finished. vLLM: vllm/v1/worker/gpu/kv_connector.py.
+            if so.kv_connector_metadata is None:
+                raise ValueError("a runner with a KV connector needs each plan's kv_connector_metadata: give the "
+                                 "scheduler the connector's scheduler side (Scheduler.set_kv_connector)")
+            connector.bind_connector_metadata(so.kv_connector_metadata)
+        try:
+            self.finish_requests(so)
+            self.add_requests(so)
+            self.update_requests(so)
+            if connector is not None:
+                connector.start_load_kv()
+            if so.total_num_scheduled_tokens == 0:
+                output = ModelRunnerOutput([], {}, [])
+                output.kv_connector_output = self._connector_output(so)
+                self.last_step_seconds = time.perf_counter() - start
+                return output
+            batch = self.prepare_inputs(so)
+            self.last_inputs = batch
+            hidden = self.model(batch.input_ids, batch.positions, attn=self.make_attention(batch.attn_metadata))
+            kv_output = self._connector_output(so)
+        finally:
+            if connector is not None:
+                connector.clear_connector_metadata()
+        self.execute_model_state = ExecuteModelState(batch, hidden, kv_output, start)
+        return None
+
+    def _connector_output(self, so: SchedulerOutput) -> KVConnectorOutput | None:
+        connector = self.kv_connector
+        if connector is None:
+            return None
+        connector.wait_for_save()
+        sending, recving = connector.get_finished(set(so.finished_req_ids))
+        return KVConnectorOutput(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                 failed_recving=connector.get_failed_recving(),
+                                 invalid_block_ids=connector.get_block_ids_with_load_errors())
+
+    # -- 4. sampling ------------------------------------------------------------------------------------------------
+    def _sampling_metadata(self, batch: InputBatch) -> SamplingMetadata:
+        infos = [self.requests_info[rid] for rid in batch.req_ids]
+        params = [i.sampling_params for i in infos]
         need_history = any(p.has_penalties or p.min_tokens > 0 for p in params)
+        prompts = outputs = None
+        if need_history:
+            tokens = [self.req_states.token_ids(rid) for rid in batch.req_ids]
+            prompts = [t[:i.prompt_len] for t, i in zip(tokens, infos, strict=True)]
+            outputs = [t[i.prompt_len:] for t, i in zip(tokens, infos, strict=True)]
         return SamplingMetadata.from_params(
-            params,
-            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states] if need_history else None,
-            output_token_ids=[s.output_token_ids for s in states] if need_history else None,
-            eos_token_id=self.eos_token_id,
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            device=self.device)
+            params, prompt_token_ids=prompts, output_token_ids=outputs, eos_token_id=self.eos_token_id,
+            generators={k: i.generator for k, i in enumerate(infos) if i.generator is not None}, device=self.device)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Returns one row per scheduled request: the tokens it sampled (``[token]`` without drafts),
-        or ``[]`` if it is still mid-prefill (its row was sampled and discarded, as vLLM's runner clears it)."""
-        if self.kv_connector is None:
-            return self._execute_model(scheduler_output)
-        # The connector's step: bind the plan, load before the forward pass (layers save during it), then submit
-        # the saves and report what finished. vLLM: KVConnectorModelRunnerMixin._get_kv_connector_output.
-        connector, meta = self.kv_connector, scheduler_output.kv_connector_metadata
-        if meta is None:
-            raise ValueError("a runner with a KV connector needs each plan's kv_connector_metadata: give the scheduler "
-                             "the connector's scheduler side (Scheduler.set_kv_connector)")
-        connector.bind_connector_metadata(meta)
-        try:
-            connector.start_load_kv()
-            output = self._execute_model(scheduler_output)
-            connector.wait_for_save()
-            sending, recving = connector.get_finished(set(scheduler_output.finished_req_ids))
-            output.kv_connector_output = KVConnectorOutput(
-                finished_sending=set(sending or ()), finished_recving=set(recving or ()),
-                failed_recving=connector.get_failed_recving(),
-                invalid_block_ids=connector.get_block_ids_with_load_errors())
-        finally:
-            connector.clear_connector_metadata()
-        return output
+    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
+        """The second half of a step: sample every row (verifying drafts with the rejection sampler), drop the rows
+        still mid-prefill, append the kept tokens to the slots, propose the next drafts.
 
-    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        start = time.perf_counter()
-        self._update_states(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], {}, [])
-        inputs = self._prepare_inputs(scheduler_output)
-        self.last_inputs = inputs
-        hidden = self.model(inputs.input_ids, inputs.positions, attn=self.make_attention(inputs.attn_metadata))
+        Args:
+            grammar_output: the structured-output grammar bitmask of the step (vLLM's ``GrammarOutput``); this
+                engine has no structured outputs yet, so it must be ``None``.
 
-        states = [self.requests[rid] for rid in inputs.req_ids]
-        discard = np.nonzero(inputs.discard_request_mask)[0].tolist()
+        Returns:
+            one row per scheduled request, in the batch's order: the tokens it keeps (``[token]`` without drafts), or
+            ``[]`` if it is still mid-prefill (its row was sampled and discarded).
+
+        vLLM v0.33.0: ``vllm/v1/worker/gpu/model_runner.py:GPUModelRunner.sample_tokens``.
+        """
+        state = self.execute_model_state
+        if state is None:
+            raise RuntimeError("sample_tokens needs a step whose execute_model returned None")
+        if grammar_output is not None:
+            raise ValueError("this engine has no structured outputs: grammar_output must be None")
+        self.execute_model_state = None
+        batch, hidden = state.input_batch, state.hidden_states
+        infos = [self.requests_info[rid] for rid in batch.req_ids]
+        discard = np.nonzero(batch.discard_request_mask)[0].tolist()
         # A discarded draw must not advance a seeded request's generator, or its later samples would depend on how
         # its prompt was chunked. vLLM rewinds the CUDA Philox offset by the 4 one draw takes; restoring the saved
         # state is the same thing, exact for any generator (CPU ones have no offset).
-        rewind = {i: (gen, gen.get_state()) for i in discard if (gen := states[i].generator) is not None}
-        md = self._sampling_metadata(states)
-        if any(inputs.draft_token_ids):
-            out = self._verify_drafts(hidden, inputs, md)
+        rewind = [(gen, gen.get_state()) for i in discard if (gen := infos[i].generator) is not None]
+        md = self._sampling_metadata(batch)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_logits, vocab]
+        if batch.num_draft_tokens:
+            spec = SpecDecodeMetadata.make(batch.draft_token_ids)
+            out = self.rejection_sampler(spec, None, logits, md)
             sampled = RejectionSampler.parse_output(out.sampled_token_ids, self.vocab_size)
         else:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_reqs, vocab]
             out = self.sampler(logits, md)
             sampled = out.sampled_token_ids.tolist()  # [num_reqs][1]
-        for gen, gen_state in rewind.values():
+        for gen, gen_state in rewind:
             gen.set_state(gen_state)
         self.last_sampler_output = out
         for i in discard:
             sampled[i] = []  # mid-prefill: the token never reaches the request (vLLM clears the row too)
-        batch = self.input_batch
-        for s, tokens in zip(states, sampled, strict=True):
-            s.token_ids.extend(tokens)
-            batch.append_token_ids(batch.req_id_to_index[s.req_id], tokens)  # in place, as vLLM's bookkeeping
+        self._post_update(batch, out.sampled_token_ids, sampled)
 
         logprobs: dict[str, list[dict[int, float]]] | None = None
         if out.logprobs_tensors is not None:
             ids, lps, _ = out.logprobs_tensors.tolists()
             logprobs = {}
-            for k, s in enumerate(states):
-                n = s.sampling_params.logprobs
+            for k, (rid, info) in enumerate(zip(batch.req_ids, infos, strict=True)):
+                n = info.sampling_params.logprobs
                 if n is not None and sampled[k]:
-                    logprobs[s.req_id] = [dict(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True))]
-        for rid, seq_len in zip(inputs.req_ids, inputs.attn_metadata.seq_lens.tolist(), strict=True):
-            self.requests[rid].num_computed_tokens = seq_len  # the scheduler sends the true value (drafts) next step
-            batch.num_computed_tokens_cpu[batch.req_id_to_index[rid]] = seq_len
-        draft_token_ids = self._propose_drafts(inputs.req_ids, sampled) if self.drafter is not None else None
-        self.last_step_seconds = time.perf_counter() - start
-        return ModelRunnerOutput(inputs.req_ids, {rid: i for i, rid in enumerate(inputs.req_ids)}, sampled, logprobs,
-                                 draft_token_ids)
+                    logprobs[rid] = [dict(zip(ids[k][:n + 1], lps[k][:n + 1], strict=True))]
+        draft_token_ids = self._propose_drafts(batch.req_ids, sampled) if self.drafter is not None else None
+        self.last_step_seconds = time.perf_counter() - state.start
+        output = ModelRunnerOutput(batch.req_ids, {rid: i for i, rid in enumerate(batch.req_ids)}, sampled, logprobs,
+                                   draft_token_ids)
+        output.kv_connector_output = state.kv_connector_output
+        return output
 
-    def _verify_drafts(self, hidden: torch.Tensor, inputs: BatchInputs, md: SamplingMetadata) -> SamplerOutput:
-        """The sampling step when drafts are in the batch: logits for each request's last ``d + 1`` rows (its
-        drafts and the token before them; ``d = 0`` for a request without drafts, mid-prefill ones included), then
-        the rejection sampler over the whole batch.
-
-        Returns:
-            its :class:`SamplerOutput`, ``sampled_token_ids`` int32 ``[num_reqs, max_num_draft + 1]``.
-        """
-        drafts = inputs.draft_token_ids
-        ends = inputs.logits_indices.tolist()  # each request's last row
-        sel = torch.tensor([j for e, d in zip(ends, drafts, strict=True) for j in range(e - len(d), e + 1)],
-                           dtype=torch.long, device=self.device)
-        # Without a query_start_loc, make() lays each request's d + 1 rows side by side, as sel does: its
-        # logits_indices are 0 .. len(sel) - 1, the rows of hidden[sel] in order.
-        spec = SpecDecodeMetadata.make(drafts)
-        logits = self.model.compute_logits(hidden[sel])
-        return self.rejection_sampler(spec, None, logits, md)
+    def _post_update(self, batch: InputBatch, sampled_tokens: torch.Tensor, sampled: list[list[int]]) -> None:
+        """Fold the kept tokens into the slots (:func:`kernels.input_batch.post_update`): appended to
+        ``all_token_ids``, the last one as the next decode's input, and ``num_computed_tokens`` advanced past the
+        step's tokens less the rejected drafts. vLLM: ``GPUModelRunner.postprocess_sampled``."""
+        states, dev = self.req_states, self.device
+        num_sampled = torch.tensor([len(s) for s in sampled], dtype=torch.int32, device=dev)
+        num_logits = torch.from_numpy(np.diff(batch.cu_num_logits_np)).to(dev)
+        num_rejected = torch.where(num_sampled > 0, num_logits - num_sampled, 0).to(torch.int32)
+        post_update(batch.idx_mapping, states.num_computed_tokens, states.last_sampled_tokens, None,
+                    sampled_tokens.to(dev), num_sampled, num_rejected, batch.query_start_loc, states.all_token_ids,
+                    states.total_len)
+        num_computed = states.num_computed_tokens[batch.idx_mapping].cpu().numpy()
+        states.num_computed_tokens_np[batch.idx_mapping_np] = num_computed
+        states.num_computed_prefill_tokens[batch.idx_mapping_np] = np.minimum(
+            num_computed, states.prefill_len.np[batch.idx_mapping_np])
 
     def _propose_drafts(self, req_ids: list[str], sampled: list[list[int]]) -> list[list[int]]:
         """Drafts for the next step of each request that just sampled, never more than its ``max_tokens`` leaves
@@ -525,16 +698,19 @@ class ModelRunner:
         assert self.drafter is not None
         drafts: list[list[int]] = []
         for rid, tokens in zip(req_ids, sampled, strict=True):
-            state = self.requests[rid]
-            max_tokens = state.sampling_params.max_tokens
-            room = self.drafter.k if max_tokens is None else max_tokens - len(state.output_token_ids) - 1
-            drafts.append(self.drafter.propose(state.token_ids)[:room] if tokens and room > 0 else [])
+            info = self.requests_info[rid]
+            if not tokens:
+                drafts.append([])
+                continue
+            token_ids = self.req_states.token_ids(rid)
+            max_tokens = info.sampling_params.max_tokens
+            room = self.drafter.k if max_tokens is None else max_tokens - (len(token_ids) - info.prompt_len) - 1
+            drafts.append(self.drafter.propose(token_ids)[:room] if room > 0 else [])
         return drafts
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
-        """Drop the runner's state of these requests, in the persistent batch too (the engine calls it as soon as
-        they finish; the next step's ``finished_req_ids`` names them again, which is then a no-op)."""
+        """Free the slots and state of these requests now (the engine calls it as soon as they finish; the next
+        step's ``finished_req_ids`` names them again, which is then a no-op)."""
         for rid in request_ids:
-            self.requests.pop(rid, None)
-            self.input_batch.remove_request(rid)
-        self.input_batch.condense()
+            self.req_states.remove_request(rid)
+            self.requests_info.pop(rid, None)

@@ -52,9 +52,14 @@ class Worker:
         else:
             self.model_runner = ModelRunner(model, **runner_kwargs)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on this rank (every rank runs every step; the executor keeps rank 0's output)."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The first half of a step on this rank: the forward pass (every rank runs every step; the executor keeps
+        rank 0's output). ``None`` when :meth:`sample_tokens` has tokens to sample."""
         return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
+        """The second half of a step on this rank: sampling (vLLM v0.33.0: ``Worker.sample_tokens``)."""
+        return self.model_runner.sample_tokens(grammar_output)
 
     def remove_requests(self, request_ids: list[str]) -> None:
         """Drop finished requests from this rank's runner at once (see ``ModelRunner.remove_requests``)."""

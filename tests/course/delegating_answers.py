@@ -231,14 +231,11 @@ class MyConnector(SharedStorageConnector):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 ''',
     "10.1": '''
-from types import SimpleNamespace
-
-from minillm.worker.model_runner import ModelRunner
+from minillm.course.persistent_batch import update_states as _package_update_states
 
 
 def update_states(batch, requests, scheduler_output):
-    runner = SimpleNamespace(input_batch=batch, requests=requests, device="cpu")  # all _update_states touches
-    ModelRunner._update_states(runner, scheduler_output)
+    _package_update_states(batch, requests, scheduler_output)
 ''',
     "10.2": '''
 from minillm.core.sched.async_scheduler import AsyncScheduler
@@ -421,13 +418,11 @@ def num_blocks_per_rank(config, block_size, dtype_bytes, tp_size, budget_bytes):
         },
         "cheat_captures": {
             "10.1": '''
-from types import SimpleNamespace
-
-from minillm.worker.model_runner import ModelRunner
+from minillm.course import persistent_batch
 
 
-def update_states(batch, requests, scheduler_output, _ref=ModelRunner._update_states):
-    _ref(SimpleNamespace(input_batch=batch, requests=requests, device="cpu"), scheduler_output)
+def update_states(batch, requests, scheduler_output, _ref=persistent_batch.update_states):
+    _ref(batch, requests, scheduler_output)
 ''',
             "10.2": '''
 import gc

@@ -123,23 +123,13 @@ CHEATS: list[tuple[str, str, str]] = [
     ("2.1", "from minillm.attention.paged import compute_slot_mapping as csm", "target"),
     ("2.1", "import minillm.attention.paged as p\nq = p\nf = q.compute_slot_mapping", "target"),
     ("2.1", "def my(b, s, e, n):\n    return compute_slot_mapping(b, s, e, n)", "target"),
-    ("10.1", "from minillm.worker.model_runner import ModelRunner\n"
-             "def update_states(batch, requests, so):\n    return ModelRunner._update_states(batch, so)", "target"),
-    ("10.1", "from minillm.worker.model_runner import ModelRunner\n"
-             "def update_states(batch, requests, so, _ref=ModelRunner._update_states):\n    return _ref(batch, so)",
-     "target"),
-    ("10.1", "from minillm.worker.model_runner import ModelRunner\n"
-             "class Mine:\n    update = ModelRunner._update_states", "target"),
-    ("10.1", "import functools\nfrom minillm.worker.model_runner import ModelRunner\n"
-             "g = functools.partial(ModelRunner._update_states)", "target"),
-    ("10.1", "import copy\nfrom minillm.worker.model_runner import ModelRunner\n"
-             "g = copy.deepcopy(ModelRunner._update_states)", "target"),
-    ("10.1", "from minillm.worker.model_runner import ModelRunner as MR\ng = MR._update_states", "target"),
-    ("10.1", "from minillm.worker.model_runner import ModelRunner\nR = ModelRunner\ng = R._update_states", "target"),
-    ("10.1", "from minillm.worker import model_runner\ng = model_runner.ModelRunner._update_states", "target"),
-    ("10.1", "def update_states(runner, so):\n    runner._update_states(so)", "target"),
-    ("10.1", "from minillm.worker.model_runner import ModelRunner\nclass R(ModelRunner):\n    pass\n"
-             "g = R._update_states", "target"),
+    # 10.1's part lives in the course's tooling (minillm.course.persistent_batch): importing it is refused as such
+    ("10.1", "from minillm.course.persistent_batch import update_states as ref\n"
+             "def update_states(batch, requests, so):\n    return ref(batch, requests, so)", "import"),
+    ("10.1", "from minillm.course import persistent_batch\n"
+             "def update_states(batch, requests, so, _ref=persistent_batch.update_states):\n"
+             "    return _ref(batch, requests, so)", "import"),
+    ("10.1", "import minillm.course.persistent_batch as pb\ng = pb.update_states", "import"),
     ("4.2", "class S(Scheduler):\n    def _schedule_waiting(self, step):\n"
             "        return super()._schedule_waiting(step)", "target"),
     ("4.2", "class S(Scheduler):\n    def _schedule_waiting(self, step):\n"

@@ -119,25 +119,25 @@ def test_a_method_is_tripped_for_super_calls_and_restored():
 
 
 def test_a_method_kept_under_another_name_is_tripped_and_put_back():
-    """``f = ModelRunner._update_states`` holds the plain function: replacing the class attribute alone misses it,
-    in the notebook's names and in a closure."""
-    from minillm.worker.model_runner import ModelRunner
+    """``f = AsyncScheduler._update_after_schedule`` holds the plain function: replacing the class attribute alone
+    misses it, in the notebook's names and in a closure."""
+    from minillm.core.sched.async_scheduler import AsyncScheduler
 
-    original = ModelRunner.__dict__["_update_states"]
-    ns = {"__name__": "__main__", "f": ModelRunner._update_states}
-    exec("def by_name(batch, requests, so):\n    return f(None, so)\n", ns)  # noqa: S102
+    original = AsyncScheduler.__dict__["_update_after_schedule"]
+    ns = {"__name__": "__main__", "f": AsyncScheduler._update_after_schedule}
+    exec("def by_name(sched, so):\n    return f(sched, so)\n", ns)  # noqa: S102
 
     def make():
-        captured = ModelRunner._update_states
+        captured = AsyncScheduler._update_after_schedule
 
-        def in_closure(batch, requests, so):
-            return captured(None, so)
+        def in_closure(sched, so):
+            return captured(sched, so)
         return in_closure
 
     for answer in (ns["by_name"], make()):
-        with pytest.raises(DelegationError, match=r"Exercise 10\.1 .*ModelRunner\._update_states"):
-            guard("10.1", answer)(None, {}, None)
-    assert ns["f"] is original and ModelRunner.__dict__["_update_states"] is original
+        with pytest.raises(DelegationError, match=r"Exercise 10\.2 .*AsyncScheduler\._update_after_schedule"):
+            guard("10.2", answer)(None, None)
+    assert ns["f"] is original and AsyncScheduler.__dict__["_update_after_schedule"] is original
     assert make().__closure__[0].cell_contents is original
 
 

@@ -134,14 +134,14 @@ def test_check_61_explains_a_crash_without_hiding_it(shared_model):
 def step_without_update(engine):
     """Schedules and runs the model, but never hands the sampled tokens back to the scheduler."""
     scheduler_output = engine.scheduler.schedule()
-    engine.model_runner.execute_model(scheduler_output)
+    engine.model_runner.execute_model(scheduler_output) or engine.model_runner.sample_tokens(None)
     return []
 
 
 def step_without_remove(engine):
     """Everything but dropping finished requests from the model runner."""
     scheduler_output = engine.scheduler.schedule()
-    runner_output = engine.model_runner.execute_model(scheduler_output)
+    runner_output = engine.model_runner.execute_model(scheduler_output) or engine.model_runner.sample_tokens(None)
     core_outputs = engine.scheduler.update_from_output(scheduler_output, runner_output)
     outputs, reqs_to_abort = engine.output_processor.process_outputs(core_outputs, runner_output.logprobs)
     engine.scheduler.finish_requests(reqs_to_abort, RequestStatus.FINISHED_STOPPED)
@@ -151,7 +151,7 @@ def step_without_remove(engine):
 def step_without_finishing_stop_strings(engine):
     """Everything but ending, in the scheduler, the requests a stop string finished."""
     scheduler_output = engine.scheduler.schedule()
-    runner_output = engine.model_runner.execute_model(scheduler_output)
+    runner_output = engine.model_runner.execute_model(scheduler_output) or engine.model_runner.sample_tokens(None)
     core_outputs = engine.scheduler.update_from_output(scheduler_output, runner_output)
     outputs, _ = engine.output_processor.process_outputs(core_outputs, runner_output.logprobs)
     engine.model_runner.remove_requests([o.request_id for o in outputs if o.finished])
@@ -171,7 +171,7 @@ def test_check_62_names_the_mistake(shared_model, wrong, phrases):
 def step_skipping_update(engine):
     """Hands the model runner's output straight to the output processor, which wants the scheduler's."""
     scheduler_output = engine.scheduler.schedule()
-    runner_output = engine.model_runner.execute_model(scheduler_output)
+    runner_output = engine.model_runner.execute_model(scheduler_output) or engine.model_runner.sample_tokens(None)
     outputs, _ = engine.output_processor.process_outputs(runner_output, runner_output.logprobs)
     return outputs
 
@@ -181,6 +181,21 @@ def test_check_62_explains_a_crash_with_the_order_of_the_calls(shared_model):
     e = run_check(SOLUTION, "6.2", my_step=step_skipping_update)
     _assert_caught(e, "step 0: my_step raised TypeError", "in this order, each on what the one before returned")
     assert isinstance(e.__cause__, TypeError)
+
+
+def step_without_sampling(engine):
+    """Hands execute_model's None to the scheduler: the step's tokens come from sample_tokens."""
+    scheduler_output = engine.scheduler.schedule()
+    runner_output = engine.model_runner.execute_model(scheduler_output)
+    core_outputs = engine.scheduler.update_from_output(scheduler_output, runner_output)
+    outputs, _ = engine.output_processor.process_outputs(core_outputs, runner_output.logprobs)
+    return outputs
+
+
+@pytest.mark.slow
+def test_check_62_explains_a_step_that_never_samples(shared_model):
+    e = run_check(SOLUTION, "6.2", my_step=step_without_sampling)
+    _assert_caught(e, "step 0: my_step raised", "sample_tokens(None) when execute_model returned None")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -220,7 +235,7 @@ def test_check_61_fails_an_answer_that_calls_the_runners_method(shared_model):
         from minillm.worker.model_runner import prepare_inputs
         runner = SimpleNamespace(prepare_inputs_fn=prepare_inputs, requests=requests, block_size=block_size,
                                  device=device)
-        return ModelRunner._prepare_inputs(runner, scheduler_output)   # the runner's own method, on a stand-in
+        return ModelRunner.prepare_inputs(runner, scheduler_output)   # the runner's own method, on a stand-in
 
     _assert_caught(run_check(SOLUTION, "6.1", my_prepare_inputs=delegating), "asks you to write this yourself")
 
@@ -280,7 +295,7 @@ def test_check_62_fails_an_answer_that_calls_the_engines_step(shared_model):
 def step_finishing_stop_strings_as(status):
     def my_step(engine):
         scheduler_output = engine.scheduler.schedule()
-        runner_output = engine.model_runner.execute_model(scheduler_output)
+        runner_output = engine.model_runner.execute_model(scheduler_output) or engine.model_runner.sample_tokens(None)
         core_outputs = engine.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, reqs_to_abort = engine.output_processor.process_outputs(core_outputs, runner_output.logprobs)
         if status is None:

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from minillm.core.sched.async_scheduler import AsyncScheduler
 from minillm.core.sched.scheduler import Scheduler
 from minillm.course.exercises.build import BEGIN
-from minillm.worker.input_batch import InputBatch
+from minillm.course.persistent_batch import InputBatch
 from minillm.worker.model_runner import CachedRequestState
 from tests.course.exercise_helpers import (CHALLENGE_HEADING, EXERCISE_HEADING, HINT_FORMAT, ROOT, exercise_source,
                                            mutated, run_challenge, run_check, run_check_after_setup,
@@ -38,7 +38,7 @@ SOLUTION = "10_engine_core.ipynb"
 HEADER = """from minillm.core.sched.output import SchedulerOutput
 from minillm.sample.metadata import make_generator
 from minillm.sampling_params import SamplingType
-from minillm.worker.input_batch import InputBatch
+from minillm.course.persistent_batch import InputBatch
 from minillm.worker.model_runner import CachedRequestState
 """
 
@@ -136,15 +136,12 @@ def test_10_1_a_crash_names_the_step():
 
 def test_10_1_delegating_to_the_runner_fails():
     def delegating(batch, requests, scheduler_output):
-        from types import SimpleNamespace
+        from minillm.course.persistent_batch import update_states
 
-        from minillm.worker.model_runner import ModelRunner
-
-        runner = SimpleNamespace(input_batch=batch, requests=requests, device="cpu")
-        ModelRunner._update_states(runner, scheduler_output)
+        update_states(batch, requests, scheduler_output)
 
     _assert_caught(run_check(SOLUTION, "10.1", update_states=delegating),
-                   "Exercise 10.1 asks you to write this yourself", "ModelRunner._update_states")
+                   "Exercise 10.1 asks you to write this yourself", "update_states")
 
 
 def test_10_1_the_runs_go_through_every_case():

@@ -479,7 +479,7 @@ def test_engine_core_aborts_with_a_step_in_flight_and_takes_the_id_back():
     abort = core.abort_requests
 
     def spying(ids, *rest):
-        in_flight_at_abort.append([so.num_scheduled_tokens.get("a", 0) for _, so in core.batch_queue])
+        in_flight_at_abort.append([so.num_scheduled_tokens.get("a", 0) for _, so, _ in core.batch_queue])
         abort(ids, *rest)
 
     core.abort_requests = spying

@@ -83,7 +83,7 @@ def assert_idle_and_clean(engine: LLMEngine) -> None:
     core = engine.engine_core.engine_core
     assert not core.batch_queue and not core.scheduler.requests
     assert engine.get_num_free_blocks() == engine.num_gpu_blocks - 1
-    assert not core.model_runner.requests and not core.model_runner.input_batch.req_id_to_index
+    assert not core.model_runner.requests and not core.model_runner.req_states.req_id_to_index
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -172,7 +172,7 @@ def test_reset_prefix_cache_preempts_every_running_request_and_the_tokens_stay(a
             assert all(r.status.name == "PREEMPTED" and r.num_computed_tokens == 0 for r in sched.waiting)
             assert sched.kv_cache_manager.num_free_blocks == engine.num_gpu_blocks - 1
             assert sched.kv_cache_manager.block_pool.num_cached_blocks == 0
-            assert set(core.model_runner.input_batch.req_id_to_index) == {"a", "b"}
+            assert set(core.model_runner.req_states.req_id_to_index) == {"a", "b"}
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = out.outputs[0].token_ids

@@ -1,10 +1,12 @@
-"""The persistent batch (InputBatch, BlockTable) and the runner that keeps it.
+"""Model Runner V2's state and the batch it builds by index (minillm/worker/states.py, block_table.py,
+input_batch.py).
 
-1. Random sequences of add / append / rewrite / drafts / remove / swap / condense keep every buffer equal to a
-   plain-dict model of the requests (a hypothesis state machine).
+1. Random sequences of add / remove / resend / context updates keep :class:`RequestState` equal to a plain-dict model,
+   and a request never changes slot while it holds one; :class:`BlockTables` rows, gathered by ``idx_mapping``, and
+   their slot mapping equal the formula (hypothesis).
 2. On real engine steps (chunked prefill, prefix-cache hits, preemption, n-gram drafts, requests finishing and
-   aborted mid-batch), the BatchInputs the runner gathers from the persistent batch equal
-   ``prepare_inputs(...)``'s field by field, dtypes included, and the batch holds exactly the scheduled requests.
+   aborted mid-batch, failed KV loads), the :class:`InputBatch` the runner builds from its slots with the input
+   kernels equals chapter 6's ``prepare_inputs(...)`` request by request, dtypes included, in v0.33.0's row order.
 3. A fresh ModelRunner fed only ``pickle.loads(pickle.dumps(scheduler_output))`` of every step of an engine run
    (what crosses a process boundary) samples the same tokens and proposes the same drafts.
 """
@@ -17,280 +19,219 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from minillm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.parts import EngineParts
 from minillm.sampling_params import SamplingParams
-from minillm.worker.block_table import BlockTable
+from minillm.worker.block_table import BlockTables
 from minillm.worker.input_batch import InputBatch
-from minillm.worker.model_runner import BatchInputs, CachedRequestState, ModelRunner, prepare_inputs
-from tests.engine_helpers import TINY, single_thread, tiny_model  # noqa: F401
+from minillm.worker.model_runner import BatchInputs, ModelRunner, prepare_inputs, sort_batch_req_ids
+from minillm.worker.states import RequestState
+from tests.engine_helpers import TINY, run_step, single_thread, tiny_model  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 _TINY_MODEL = tiny_model()
 
 
-# -- 1. the buffers against a plain-dict model --------------------------------------------------------------------
-MAX_REQS, MAX_LEN, BS = 4, 12, 4  # block-table rows are ceil(12 / 4) = 3 wide
-WIDTH = -(-MAX_LEN // BS)
-token = st.integers(0, 2**31 - 1)  # the whole int32 range: the buffer must not truncate ids
+# -- 1. the slots against a plain-dict model ----------------------------------------------------------------------
+MAX_REQS, MAX_LEN = 4, 12
+token = st.integers(0, 2**31 - 1)  # the whole int32 range: the slots must not truncate ids
 
 
-class InputBatchMachine(RuleBasedStateMachine):
-    """The model: request id -> its tokens, prompt length, computed tokens and blocks (``reqs``), and the drafts
-    written for it since its tokens last changed (``drafts``)."""
+class RequestStateMachine(RuleBasedStateMachine):
+    """The model: request id -> its tokens, prompt length, prefill length and computed tokens; and the slot each
+    request got when it arrived (``slot_of``), which must not change while it holds it."""
 
     ids = Bundle("ids")
 
     def __init__(self) -> None:
         super().__init__()
-        self.batch = InputBatch(MAX_REQS, MAX_LEN, BS)
+        self.states = RequestState(MAX_REQS, MAX_LEN, num_speculative_steps=2)
         self.reqs: dict[str, dict] = {}
-        self.drafts: dict[str, list[int]] = {}
+        self.slot_of: dict[str, int] = {}
         self.counter = 0
-        self.condensed = True  # no hole since the last condense()
-
-    def _slot(self, rid: str) -> int:
-        return self.batch.req_id_to_index[rid]
 
     @rule(target=ids, data=st.data())
     def add(self, data):
-        n = data.draw(st.integers(1, MAX_LEN))
-        state = CachedRequestState(f"r{self.counter}", data.draw(st.integers(1, n)), SamplingParams.greedy(),
-                                   data.draw(st.lists(token, min_size=n, max_size=n)),
-                                   data.draw(st.lists(st.integers(1, 99), max_size=WIDTH)),
-                                   data.draw(st.integers(0, n)))
+        rid = f"r{self.counter}"
         self.counter += 1
-        if len(self.reqs) == MAX_REQS:
-            with pytest.raises(ValueError, match="the batch is full.*max_num_reqs"):
-                self.batch.add_request(state)
-            return state.req_id  # an id the batch does not hold
-        holes = [i for i, r in enumerate(self.batch.req_ids) if r is None]
-        slot = self.batch.add_request(state)
-        assert slot == (holes[0] if holes else len(self.reqs))  # the lowest hole first, as vLLM
-        self.reqs[state.req_id] = dict(tokens=list(state.token_ids), prompt=state.num_prompt_tokens,
-                                       computed=state.num_computed_tokens, blocks=list(state.block_ids))
-        self.drafts[state.req_id] = []
-        return state.req_id
-
-    @rule(data=st.data())
-    def add_too_long(self, data):
-        extra = data.draw(st.sampled_from(["tokens", "blocks"]))
-        n = MAX_LEN + 1 if extra == "tokens" else 1
-        state = CachedRequestState("too-big", 1, SamplingParams.greedy(), [1] * n,
-                                   [1] * (WIDTH + 1 if extra == "blocks" else 1), 0)
-        before = (list(self.batch.req_ids), dict(self.batch.req_id_to_index))
-        with pytest.raises(ValueError, match="max_model_len|max_num_reqs"):
-            self.batch.add_request(state)
-        assert (list(self.batch.req_ids), dict(self.batch.req_id_to_index)) == before  # nothing changed
-
-    @rule(rid=ids, data=st.data())
-    def append_tokens(self, rid, data):
-        if rid not in self.reqs:
-            return
-        m = self.reqs[rid]
-        new = data.draw(st.lists(token, min_size=1, max_size=3))
-        if len(m["tokens"]) + len(new) > MAX_LEN:
-            with pytest.raises(ValueError, match="max_model_len"):
-                self.batch.append_token_ids(self._slot(rid), new)
-            return
-        self.batch.append_token_ids(self._slot(rid), new)
-        m["tokens"] += new
-        self.drafts[rid] = []
-
-    @rule(rid=ids, data=st.data())
-    def rewrite_tokens(self, rid, data):
-        if rid in self.reqs:
-            tokens = data.draw(st.lists(token, min_size=self.reqs[rid]["prompt"], max_size=MAX_LEN))
-            self.batch.set_token_ids(self._slot(rid), tokens)
-            self.reqs[rid]["tokens"] = tokens
-            self.drafts[rid] = []
-
-    @rule(rid=ids, data=st.data())
-    def write_drafts(self, rid, data):
-        if rid not in self.reqs:
-            return
-        room = MAX_LEN - len(self.reqs[rid]["tokens"])
-        drafts = data.draw(st.lists(token, min_size=1, max_size=room + 1))
-        if len(drafts) > room:
-            with pytest.raises(ValueError, match="max_model_len"):
-                self.batch.update_req_spec_token_ids(rid, drafts)
-            return
-        self.batch.update_req_spec_token_ids(rid, drafts)
-        self.drafts[rid] = drafts
-
-    @rule(rid=ids, data=st.data())
-    def append_blocks(self, rid, data):
-        if rid not in self.reqs:
-            return
-        m = self.reqs[rid]
-        new = data.draw(st.lists(st.integers(1, 99), max_size=2))
-        if len(m["blocks"]) + len(new) > WIDTH:
-            with pytest.raises(ValueError, match="max_num_blocks_per_req"):
-                self.batch.block_table.append_row(new, self._slot(rid))
-            return
-        self.batch.block_table.append_row(new, self._slot(rid))
-        m["blocks"] += new
-
-    @rule(rid=ids, computed=st.integers(0, MAX_LEN))
-    def set_computed(self, rid, computed):
-        if rid in self.reqs:
-            self.batch.num_computed_tokens_cpu[self._slot(rid)] = computed
-            self.reqs[rid]["computed"] = computed
+        tokens = data.draw(st.lists(token, min_size=1, max_size=MAX_LEN + 2))
+        prompt_len = data.draw(st.integers(1, len(tokens)))
+        computed = data.draw(st.integers(0, len(tokens)))
+        if len(self.reqs) == MAX_REQS or len(tokens) > MAX_LEN:
+            with pytest.raises(ValueError, match="slots .max_num_reqs. is taken|more than max_model_len"):
+                self.states.add_request(rid, prompt_len, tokens, computed)
+            return rid  # refused, nothing changed: the id may be added again later
+        idx = self.states.add_request(rid, prompt_len, tokens, computed)
+        assert idx not in self.slot_of.values()
+        self.slot_of[rid] = idx
+        self.reqs[rid] = dict(tokens=tokens, prompt_len=prompt_len, prefill_len=len(tokens), computed=computed)
+        return rid
 
     @rule(rid=consumes(ids))
     def remove(self, rid):
-        slot = self.batch.req_id_to_index.get(rid)
-        assert self.batch.remove_request(rid) == slot  # None for an id it does not hold
-        if rid in self.reqs:
-            del self.reqs[rid], self.drafts[rid]
-            self.condensed = False
-        assert self.batch.remove_request(rid) is None  # a second removal is a no-op
+        idx = self.states.remove_request(rid)
+        assert idx == self.slot_of.pop(rid, None)
+        self.reqs.pop(rid, None)
 
-    @rule()
-    def condense(self):
-        self.batch.condense()
-        self.condensed = True
-        # Drafts are written after condense() in a step; a move copies only the tokens.
-        for rid in self.drafts:
-            self.drafts[rid] = []
-        assert sorted(self.batch.req_id_to_index.values()) == list(range(len(self.reqs)))
-        assert len(self.batch.req_ids) == len(self.reqs)
+    @rule(rid=ids, data=st.data())
+    def resend(self, rid, data):
+        if rid not in self.reqs:
+            return
+        tokens = data.draw(st.lists(token, min_size=self.reqs[rid]["prompt_len"], max_size=MAX_LEN))
+        self.states.replace_tokens(self.slot_of[rid], tokens)
+        self.reqs[rid].update(tokens=tokens, prefill_len=len(tokens))
 
-    @precondition(lambda self: self.condensed and len(self.reqs) >= 2)
-    @rule(data=st.data())
-    def swap(self, data):
-        i1, i2 = data.draw(st.permutations(range(len(self.reqs))))[:2]
-        self.batch.swap_states(i1, i2)
-        for rid in self.drafts:
-            self.drafts[rid] = []
+    @rule(rid=ids, data=st.data())
+    def computed(self, rid, data):
+        if rid not in self.reqs:
+            return
+        n = data.draw(st.integers(0, len(self.reqs[rid]["tokens"])))
+        self.states.set_num_computed_tokens(self.slot_of[rid], n)
+        self.reqs[rid]["computed"] = n
 
     @invariant()
-    def buffers_equal_the_model(self):
-        b = self.batch
-        assert b.num_reqs == len(self.reqs) and set(b.req_id_to_index) == set(self.reqs)
-        used = set()
-        for rid, m in self.reqs.items():
-            i = b.req_id_to_index[rid]
-            assert b.req_ids[i] == rid
-            used.add(i)
-            n = len(m["tokens"])
-            assert b.num_tokens_no_spec[i] == n and b.get_token_ids(rid).tolist() == m["tokens"]
-            assert b.token_ids_cpu[i, n:n + len(self.drafts[rid])].tolist() == self.drafts[rid]
-            assert b.num_prompt_tokens[i] == m["prompt"] and b.num_computed_tokens_cpu[i] == m["computed"]
-            nb = len(m["blocks"])
-            assert b.block_table.num_blocks_per_row[i] == nb
-            assert b.block_table.block_table[i, :nb].tolist() == m["blocks"]
-        # Past each row's blocks, and in every free row, only the null block: the gathered table's padding.
-        for i in range(MAX_REQS):
-            nb = b.block_table.num_blocks_per_row[i] if i in used else 0
-            assert not b.block_table.block_table[i, nb:].any()
-        assert all(r is None for i, r in enumerate(b.req_ids) if i not in used)
+    def slots_equal_the_model(self):
+        s = self.states
+        assert s.req_id_to_index == self.slot_of
+        assert s.index_to_req_id == {i: r for r, i in self.slot_of.items()}
+        assert sorted(s.free_indices + list(self.slot_of.values())) == list(range(MAX_REQS))
+        for rid, want in self.reqs.items():
+            i = self.slot_of[rid]
+            assert s.token_ids(rid) == want["tokens"]
+            assert int(s.last_sampled_tokens[i, 0]) == want["tokens"][-1]
+            assert (s.prompt_len.np[i], s.prefill_len.np[i]) == (want["prompt_len"], want["prefill_len"])
+            assert int(s.num_computed_tokens[i]) == s.num_computed_tokens_np[i] == want["computed"]
+            assert s.num_computed_prefill_tokens[i] == min(want["computed"], want["prefill_len"])
 
 
-TestInputBatchMachine = InputBatchMachine.TestCase
-TestInputBatchMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestRequestStateMachine = RequestStateMachine.TestCase
+TestRequestStateMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 
 
-def test_condense_moves_the_last_requests_into_the_lowest_holes():
-    """The picture in the module docstring: A B C D E, remove B and D, condense: E moves into slot 1."""
-    batch = InputBatch(8, 16, 4)
-    for k, rid in enumerate("ABCDE"):
-        batch.add_request(CachedRequestState(rid, 2, SamplingParams.greedy(), [k, k + 10], [k + 1], 1))
-    batch.remove_request("B")
-    batch.remove_request("D")
-    batch.condense()
-    assert batch.req_ids == ["A", "E", "C"]
-    assert batch.get_token_ids("E").tolist() == [4, 14] and batch.block_table.block_table[1, 0] == 5
-    assert not batch.block_table.block_table[3:].any()  # the rows E and D left are empty
+def test_request_state_refuses_bad_sizes_and_ids():
+    with pytest.raises(ValueError, match="max_num_reqs must be an integer >= 1, got 0"):
+        RequestState(0, 8)
+    with pytest.raises(ValueError, match="num_speculative_steps must be an integer >= 0, got -1"):
+        RequestState(2, 8, num_speculative_steps=-1)
+    states = RequestState(2, 8)
+    states.add_request("A", 2, [1, 2, 3], 0)
+    with pytest.raises(ValueError, match="request 'A' already holds slot 1"):
+        states.add_request("A", 2, [1, 2, 3], 0)
+    with pytest.raises(ValueError, match=r"'B': prompt_len must be in 1..3 \(its tokens\), got 4"):
+        states.add_request("B", 4, [1, 2, 3], 0)
+    assert states.remove_request("nobody") is None and states.free_indices == [0]
 
 
-@pytest.mark.parametrize("args, match", [
-    (dict(max_num_reqs=0, max_model_len=8, block_size=4), "max_num_reqs must be an integer >= 1, got 0"),
-    (dict(max_num_reqs=2, max_model_len=8.0, block_size=4), "max_model_len must be an integer >= 1, got 8.0"),
-    (dict(max_num_reqs=2, max_model_len=8, block_size=True), "block_size must be an integer >= 1, got True"),
-])
-def test_input_batch_refuses_bad_sizes(args, match):
-    with pytest.raises(ValueError, match=match):
-        InputBatch(**args)
-    with pytest.raises(ValueError, match="max_num_blocks_per_req must be an integer >= 1, got -1"):
-        BlockTable(2, -1)
+def test_a_freed_slot_is_taken_again_and_nothing_moves():
+    """A B C arrive (slots 3 2 1: the free list is popped from its end, as vLLM's); B leaves, D arrives in B's slot."""
+    states = RequestState(4, 8)
+    for k, rid in enumerate("ABC"):
+        states.add_request(rid, 1, [k + 1], 0)
+    assert states.req_id_to_index == {"A": 3, "B": 2, "C": 1}
+    states.remove_request("B")
+    assert states.add_request("D", 1, [9], 0) == 2
+    assert states.req_id_to_index == {"A": 3, "C": 1, "D": 2} and states.token_ids("C") == [3]
 
 
-def test_drafts_move_with_their_request():
-    """Drafts sit after a slot's tokens (update_req_spec_token_ids) until the step that verifies them is over: a
-    swap (the attention backend's reorder, challenge 10) or a condense takes them along, whichever slot is longer."""
-    batch = InputBatch(4, 16, 4)
-    for k, (rid, tokens) in enumerate([("A", [1, 2, 3, 4, 5]), ("B", [6]), ("C", [7, 8])]):
-        batch.add_request(CachedRequestState(rid, len(tokens), SamplingParams.greedy(), tokens, [k + 1], 0))
-    batch.update_req_spec_token_ids("B", [90, 91, 92, 93, 94, 95])  # B's tokens and drafts outrun A's tokens
-    batch.update_req_spec_token_ids("C", [80])
-    row = {rid: lambda r=rid: batch.token_ids_cpu[batch.req_id_to_index[r], :7].tolist() for rid in "BC"}
-    before = row["B"]()
-    batch.swap_states(0, 1)
-    assert batch.req_ids == ["B", "A", "C"] and row["B"]() == before == [6, 90, 91, 92, 93, 94, 95]
-    assert batch.get_token_ids("A").tolist() == [1, 2, 3, 4, 5]
-    batch.remove_request("B")
-    batch.condense()  # C moves from slot 2 into slot 0, its draft with it
-    assert batch.req_ids == ["C", "A"] and batch.token_ids_cpu[0, :3].tolist() == [7, 8, 80]
-    batch.append_token_ids(0, [81])  # the step is over: its sampled token replaces the draft
-    assert batch.num_spec_tokens[0] == 0 and batch.get_token_ids("C").tolist() == [7, 8, 81]
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 16]), max_reqs=st.integers(1, 5))
+def test_block_tables_gather_and_map_slots_by_index(data, block_size, max_reqs):
+    width = 6
+    tables = BlockTables(block_size, max_reqs, width)
+    rows: dict[int, list[int]] = {}
+    for _ in range(data.draw(st.integers(1, 12))):
+        slot = data.draw(st.integers(0, max_reqs - 1))
+        overwrite = data.draw(st.booleans()) or slot not in rows
+        blocks = data.draw(st.lists(st.integers(1, 1000), max_size=width))
+        before = list(rows.get(slot, []))
+        if (0 if overwrite else len(before)) + len(blocks) > width:
+            with pytest.raises(ValueError, match="more than a block-table row holds"):
+                tables.append_block_ids(slot, blocks, overwrite)
+            continue
+        tables.append_block_ids(slot, blocks, overwrite)
+        rows[slot] = list(blocks) if overwrite else before + list(blocks)
+    if not rows:
+        return
+    order = data.draw(st.permutations(sorted(rows)))
+    idx_mapping = torch.tensor(order, dtype=torch.int64)
+    table = tables.gather_block_tables(idx_mapping).tolist()
+    assert table == [rows[s] + [0] * (width - len(rows[s])) for s in order]
+    # Each row schedules tokens within the blocks it holds.
+    lens = [data.draw(st.integers(0, len(rows[s]) * block_size)) for s in order]
+    starts = [data.draw(st.integers(0, len(rows[s]) * block_size - n)) for s, n in zip(order, lens)]
+    qsl = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32)
+    positions = torch.tensor([p for st_, n in zip(starts, lens) for p in range(st_, st_ + n)], dtype=torch.int64)
+    slots = tables.compute_slot_mappings(idx_mapping, qsl, positions).tolist()
+    assert slots == [rows[s][p // block_size] * block_size + p % block_size
+                     for s, st_, n in zip(order, starts, lens) for p in range(st_, st_ + n)]
 
 
-def test_swap_states_needs_two_requests():
-    batch = InputBatch(4, 8, 4)
-    batch.add_request(CachedRequestState("A", 1, SamplingParams.greedy(), [3], [1], 0))
-    with pytest.raises(ValueError, match="two occupied slots"):
-        batch.swap_states(0, 1)
+def test_batch_order_puts_verifications_and_decodes_first():
+    """vLLM v0.33.0's sort_batch_req_ids: drafts first, then one-token decodes, then by tokens (stable)."""
+    sched = {"p": 9, "d1": 1, "e": 3, "v": 3, "d2": 1, "e2": 3}
+    assert sort_batch_req_ids(sched, {"v": [4, 5]}) == ["v", "d1", "d2", "e", "e2", "p"]
 
 
-# -- 2. the gathered batch equals prepare_inputs on real engine steps ----------------------------------------------
-def assert_same_batch(got: BatchInputs, want: BatchInputs, what: str) -> None:
-    """Field by field, dtypes and devices included (exact: these are integers)."""
-    assert got.req_ids == want.req_ids, what
-    for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table", "slot_mapping",
-                 "logits_indices"):
-        g, w = getattr(got, name), getattr(want, name)
-        assert g.dtype == w.dtype and g.device == w.device, f"{what}: {name} {g.dtype} vs {w.dtype}"
-        assert torch.equal(g, w), f"{what}: {name} {g.tolist()} vs {w.tolist()}"
-    assert got.discard_request_mask.dtype == want.discard_request_mask.dtype == np.bool_, what
-    assert got.discard_request_mask.tolist() == want.discard_request_mask.tolist(), what
-    assert got.draft_token_ids == want.draft_token_ids, what
+# -- 2. the batch built by index equals chapter 6's prepare_inputs on real engine steps ---------------------------
+def assert_same_batch(got: InputBatch, want: BatchInputs, what: str) -> None:
+    """Request by request (the rows are in another order), dtypes and devices included (exact: integers)."""
+    assert sorted(got.req_ids) == sorted(want.req_ids), what
+    assert got.input_ids.dtype == want.input_ids.dtype == torch.int64, what
+    assert got.positions.dtype == want.positions.dtype == torch.int64, what
+    assert got.slot_mapping.dtype == want.slot_mapping.dtype == torch.int64, what
+    for name in ("query_start_loc", "seq_lens", "block_table"):
+        assert getattr(got, name).dtype == getattr(want, name).dtype == torch.int32, f"{what}: {name}"
+    assert got.block_table.shape == want.block_table.shape, what
+    gq, wq = got.query_start_loc.tolist(), want.query_start_loc.tolist()
+    cu = got.cu_num_logits_np.tolist()
+    for b, rid in enumerate(got.req_ids):
+        w = want.req_ids.index(rid)
+        for name in ("input_ids", "positions", "slot_mapping"):
+            g, x = getattr(got, name)[gq[b]:gq[b + 1]], getattr(want, name)[wq[w]:wq[w + 1]]
+            assert g.tolist() == x.tolist(), f"{what}: {rid} {name} {g.tolist()} vs {x.tolist()}"
+        assert int(got.seq_lens[b]) == int(want.seq_lens[w]), f"{what}: {rid} seq_len"
+        assert got.block_table[b].tolist() == want.block_table[w].tolist(), f"{what}: {rid} blocks"
+        assert bool(got.discard_request_mask[b]) == bool(want.discard_request_mask[w]), f"{what}: {rid} discard"
+        assert got.draft_token_ids[b] == want.draft_token_ids[w], f"{what}: {rid} drafts"
+        d = len(want.draft_token_ids[w])
+        assert got.logits_indices[cu[b]:cu[b + 1]].tolist() == list(range(gq[b + 1] - 1 - d, gq[b + 1])), what
     assert got.attn_metadata.max_query_len == want.attn_metadata.max_query_len, what
     assert got.attn_metadata.max_seq_len == want.attn_metadata.max_seq_len, what
 
 
 class Watch:
-    """Runs both builds at every step of an engine (the persistent batch is what the step uses), compares them, and
-    checks the batch holds exactly the scheduled requests, dense and equal to their states."""
+    """At every step of an engine, compares the batch the runner builds from its slots with chapter 6's
+    ``prepare_inputs`` on the same requests, and checks that no request changes slot while it holds one."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.runner = runner = engine.model_runner
-        self.steps = self.discards = self.moves = 0
+        self.steps = self.discards = self.reused = 0
         self.max_drafts = 0
         self._slots: dict[str, int] = {}
-        runner._prepare_inputs = self._both  # an instance attribute shadows the method for this runner only
+        self._held: dict[int, set[str]] = {}  # slot -> the requests that ever held it
+        self._build = runner.prepare_inputs
+        runner.prepare_inputs = self._both  # an instance attribute shadows the method for this runner only
 
-    def _both(self, so: SchedulerOutput) -> BatchInputs:
-        runner, batch = self.runner, self.runner.input_batch
+    def _both(self, so: SchedulerOutput) -> InputBatch:
+        runner, states = self.runner, self.runner.req_states
         what = f"step {self.steps}"
-        assert set(batch.req_id_to_index) == set(so.num_scheduled_tokens), what
-        assert sorted(batch.req_id_to_index.values()) == list(range(batch.num_reqs)), what  # condensed
-        for rid, i in batch.req_id_to_index.items():
-            state = runner.requests[rid]
-            assert batch.get_token_ids(rid).tolist() == state.token_ids, f"{what}: {rid} tokens"
-            n = batch.block_table.num_blocks_per_row[i]
-            assert batch.block_table.block_table[i, :n].tolist() == state.block_ids, f"{what}: {rid} blocks"
-            assert batch.num_computed_tokens_cpu[i] == state.num_computed_tokens, f"{what}: {rid} computed"
-            assert batch.num_prompt_tokens[i] == state.num_prompt_tokens, what
-            self.moves += rid in self._slots and self._slots[rid] != i
-        self._slots = dict(batch.req_id_to_index)
-        got = ModelRunner._prepare_inputs(runner, so)
-        want = prepare_inputs(so, runner.requests, runner.block_size, runner.device)
+        assert set(so.num_scheduled_tokens) <= set(states.req_id_to_index), what
+        for rid, i in states.req_id_to_index.items():
+            if rid in self._slots:  # held a slot at the previous step and still does: the same one
+                assert self._slots[rid] == i, f"{what}: {rid} moved from slot {self._slots[rid]} to {i}"
+            elif self._held.get(i, {rid}) != {rid}:
+                self.reused += 1  # a slot another request held before
+            self._held.setdefault(i, set()).add(rid)
+        self._slots = dict(states.req_id_to_index)
+        got = self._build(so)
+        assert got.req_ids == sort_batch_req_ids(so.num_scheduled_tokens, so.scheduled_spec_decode_tokens), what
+        assert got.idx_mapping.tolist() == [states.req_id_to_index[r] for r in got.req_ids], what
+        want = prepare_inputs(so, runner.request_views(so.num_scheduled_tokens), runner.block_size, runner.device)
         assert_same_batch(got, want, what)
         self.steps += 1
         self.discards += int(got.discard_request_mask.sum())
@@ -379,8 +320,10 @@ def test_persistent_batch_equals_prepare_inputs_on_engine_steps(name):
     if name == "ngram_drafts":
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0 and watch.max_drafts > 1
     if name == "finishes_mid_batch":
-        assert watch.moves > 0  # condense() moved a request into a hole
-    assert not engine.model_runner.requests and engine.model_runner.input_batch.req_ids == []  # no hole left
+        assert watch.reused > 0  # a slot freed mid-batch was taken by a later request, nothing moved
+    runner = engine.model_runner
+    assert not runner.requests_info and runner.req_states.num_reqs == 0  # every slot back on the free list
+    assert sorted(runner.req_states.free_indices) == list(range(runner.max_num_reqs))
 
 
 @settings(max_examples=40, deadline=None)
@@ -408,7 +351,7 @@ def test_persistent_batch_equals_prepare_inputs_on_random_engines(data, block_si
 def test_persistent_batch_equals_prepare_inputs_when_kv_loads_fail(tmp_path):
     """Chapter 9's consumer engine: a prompt's K/V file is damaged, the blocks it should fill are reported, and the
     scheduler resends the tokens of a request the batch still holds (it sampled from bad K/V): the runner rewrites
-    that slot's tokens in place (``set_token_ids``) and the batch stays equal to prepare_inputs'."""
+    that slot's tokens in place (``RequestState.replace_tokens``) and the batch stays equal to prepare_inputs'."""
     from minillm.distributed.kv_transfer.shared_storage_connector import prompt_key
 
     def storage(role: str) -> dict:
@@ -423,28 +366,31 @@ def test_persistent_batch_equals_prepare_inputs_when_kv_loads_fail(tmp_path):
     (tmp_path / prompt_key(prompts[1]) / "layer_1.safetensors").write_bytes(b"truncated")
     decode = LLMEngine(_TINY_MODEL, None, EngineArgs(**args, kv_transfer_config=storage("kv_consumer")))
     watch = Watch(decode)
-    batch = decode.model_runner.input_batch
+    states = decode.model_runner.req_states
     rewrites = []
-    set_token_ids = batch.set_token_ids
-    batch.set_token_ids = lambda i, ids: rewrites.append(batch.req_ids[i]) or set_token_ids(i, ids)
+    replace_tokens = states.replace_tokens
+    states.replace_tokens = lambda i, ids: rewrites.append(states.index_to_req_id[i]) or replace_tokens(i, ids)
     got = run_engine(decode, {0: [(f"d{i}", p, SamplingParams.greedy(max_tokens=5)) for i, p in enumerate(prompts)]})
     plain = run_engine(_engine(max_model_len=64), {0: [(f"d{i}", p, SamplingParams.greedy(max_tokens=5))
                                                        for i, p in enumerate(prompts)]})
     assert got == plain
-    assert decode.kv_connector_worker.stats["loaded_requests"] >= 2 and rewrites == ["d1"]
+    # d1 recomputes from its bad blocks with its tokens resent; a request the budget left out of a step gets its
+    # tokens resent too (the same ones): both keep their slots and are rewritten in place.
+    assert decode.kv_connector_worker.stats["loaded_requests"] >= 2 and "d1" in rewrites
     assert watch.steps > 5
 
 
 def test_a_learners_prepare_inputs_is_called_as_before():
-    """With a learner's function in parts.prepare_inputs (chapter 8), the runner calls it with the request states,
-    never the persistent batch; the batch is kept all the same."""
+    """With a learner's function in parts.prepare_inputs (chapter 8), the runner calls it with chapter 6's request
+    states, read back from its slots."""
     calls = []
 
     def learners(scheduler_output, requests, block_size, device="cpu"):
         calls.append((type(requests), block_size, device))
-        batch = engine.model_runner.input_batch
+        states = engine.model_runner.req_states
+        assert list(requests) == list(scheduler_output.num_scheduled_tokens)
         for rid in scheduler_output.num_scheduled_tokens:
-            assert batch.get_token_ids(rid).tolist() == requests[rid].token_ids
+            assert states.token_ids(rid) == requests[rid].token_ids
         return prepare_inputs(scheduler_output, requests, block_size, device)
 
     engine = LLMEngine(_TINY_MODEL, None, EngineArgs(block_size=4, num_gpu_blocks=64, max_model_len=48),
@@ -463,7 +409,7 @@ def _new(rid: str, n: int, block: int) -> NewRequestData:
 def test_runner_refuses_more_requests_than_slots():
     runner = ModelRunner(_TINY_MODEL, num_blocks=8, block_size=4, max_num_reqs=1)
     so = SchedulerOutput([_new("A", 3, 1), _new("B", 3, 2)], CachedRequestData(), {"A": 3, "B": 3}, 6)
-    with pytest.raises(ValueError, match=r"the batch is full: 1 requests \(max_num_reqs\).*'B'"):
+    with pytest.raises(ValueError, match=r"every one of the 1 slots \(max_num_reqs\) is taken, so 'B' does not fit"):
         runner.execute_model(so)
 
 
@@ -483,15 +429,20 @@ def test_fresh_runner_fed_pickled_scheduler_outputs_samples_the_same_tokens():
                      enable_prefix_caching=True, speculative_config=_ngram(2), max_num_seqs=3)
     runner = engine.model_runner
     steps: list[tuple[bytes, list[list[int]], list[list[int]] | None]] = []
-    execute = runner.execute_model
+    execute, sample = runner.execute_model, runner.sample_tokens
+    wires = []
 
-    def recording(so):
-        wire = pickle.dumps(so)  # before the step: what the scheduler sends
-        out = execute(so)
-        steps.append((wire, out.sampled_token_ids, out.draft_token_ids))
+    def record(out):
+        steps.append((wires.pop(0), out.sampled_token_ids, out.draft_token_ids))
         return out
 
+    def recording(so):
+        wires.append(pickle.dumps(so))  # before the step: what the scheduler sends
+        out = execute(so)
+        return None if out is None else record(out)
+
     runner.execute_model = recording
+    runner.sample_tokens = lambda grammar_output=None: record(sample(grammar_output))
     seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=10)
     arrivals = {0: [("a", [5, 9, 17] * 7, SamplingParams.greedy(max_tokens=10)), ("b", list(range(60, 81)), seeded)],
                 1: [("c", [5, 9, 17] * 7 + [3], SamplingParams.greedy(max_tokens=8))],
@@ -509,7 +460,7 @@ def test_fresh_runner_fed_pickled_scheduler_outputs_samples_the_same_tokens():
                         eos_token_id=engine.eos_token_id, speculative_config=engine.engine_args.speculative_config,
                         max_num_reqs=3, max_model_len=engine.max_model_len)
     for k, (wire, sampled, drafts) in enumerate(steps):
-        out = fresh.execute_model(pickle.loads(wire))
+        out = run_step(fresh, pickle.loads(wire))
         assert out.sampled_token_ids == sampled, f"step {k}"
         assert out.draft_token_ids == drafts, f"step {k}"
     assert any(len(t) > 1 for _, sampled, _ in steps for t in sampled)  # some drafts were accepted

@@ -12,7 +12,7 @@ from minillm.config import LlamaConfig
 from minillm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minillm.sampling_params import SamplingParams
 from minillm.worker.model_runner import ModelRunner
-from tests.engine_helpers import single_thread, tiny_model  # noqa: F401
+from tests.engine_helpers import run_step, single_thread, tiny_model  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -64,27 +64,31 @@ def test_prepare_inputs_builds_the_flat_batch_by_hand():
     b = list(range(20, 31))          # 11 tokens, 4 cached, chunk of 5 now
     so = SchedulerOutput([_new("A", a, [3, 7]), _new("B", b, [5, 2, 9], num_computed=4)], CachedRequestData(),
                          {"A": 6, "B": 5}, 11)
-    out = runner.execute_model(so)
+    out = run_step(runner, so)
     x = runner.last_inputs
-    assert x.req_ids == ["A", "B"]
-    assert x.input_ids.tolist() == a + b[4:9]
-    assert x.positions.tolist() == [0, 1, 2, 3, 4, 5] + [4, 5, 6, 7, 8]
-    assert x.query_start_loc.tolist() == [0, 6, 11]
-    assert x.seq_lens.tolist() == [6, 9]
-    assert x.block_table.tolist() == [[3, 7, 0], [5, 2, 9]]
-    # A: block 3 holds positions 0-3 (slots 12-15), block 7 positions 4-5 (28, 29); B: positions 4-7 in block 2,
-    # position 8 in block 9.
-    assert x.slot_mapping.tolist() == [12, 13, 14, 15, 28, 29] + [8, 9, 10, 11, 36]
-    assert x.logits_indices.tolist() == [5, 10]
-    assert x.discard_request_mask.tolist() == [False, True]  # B is mid-prefill: its token is sampled, then dropped
-    assert len(out.sampled_token_ids[0]) == 1 and out.sampled_token_ids[1] == []
-    tok_a = out.sampled_token_ids[0][0]
+    # Rows sorted as vLLM's Model Runner V2 does (sort_batch_req_ids): decodes first, then by tokens, shortest first.
+    assert x.req_ids == ["B", "A"] and out.req_ids == ["B", "A"]
+    assert x.idx_mapping.tolist() == [runner.req_states.req_id_to_index[r] for r in ("B", "A")]
+    assert x.input_ids.tolist() == b[4:9] + a
+    assert x.positions.tolist() == [4, 5, 6, 7, 8] + [0, 1, 2, 3, 4, 5]
+    assert x.query_start_loc.tolist() == [0, 5, 11]
+    assert x.seq_lens.tolist() == [9, 6]
+    assert x.block_table.tolist() == [[5, 2, 9], [3, 7, 0]]
+    # B: positions 4-7 in block 2 (slots 8-11), position 8 in block 9 (36); A: block 3 holds positions 0-3 (slots
+    # 12-15), block 7 positions 4-5 (28, 29).
+    assert x.slot_mapping.tolist() == [8, 9, 10, 11, 36] + [12, 13, 14, 15, 28, 29]
+    assert x.logits_indices.tolist() == [4, 10]
+    assert x.discard_request_mask.tolist() == [True, False]  # B is mid-prefill: its token is sampled, then dropped
+    assert out.sampled_token_ids[0] == [] and len(out.sampled_token_ids[1]) == 1
+    tok_a = out.sampled_token_ids[1][0]
+    assert runner.req_states.token_ids("A") == a + [tok_a] and runner.req_states.token_ids("B") == b
 
     cached = CachedRequestData(req_ids=["A", "B"], new_block_ids=[[], [11]], num_computed_tokens=[6, 9],
                                num_output_tokens=[1, 0])
-    runner.execute_model(SchedulerOutput([], cached, {"A": 1, "B": 2}, 3))
+    run_step(runner, SchedulerOutput([], cached, {"A": 1, "B": 2}, 3))
     x = runner.last_inputs
-    assert x.input_ids.tolist() == [tok_a, b[9], b[10]]
+    assert x.req_ids == ["A", "B"]  # A decodes: first
+    assert x.input_ids.tolist() == [tok_a, b[9], b[10]]  # A's from last_sampled_tokens, B's from its prompt
     assert x.positions.tolist() == [6, 9, 10]
     assert x.block_table.tolist() == [[3, 7, 0, 0], [5, 2, 9, 11]]
     assert x.slot_mapping.tolist() == [30, 37, 38]
@@ -94,12 +98,12 @@ def test_prepare_inputs_builds_the_flat_batch_by_hand():
 
 def test_runner_resumes_a_preempted_request_from_all_its_tokens():
     runner = ModelRunner(tiny_model(), num_blocks=16, block_size=4)
-    runner.execute_model(SchedulerOutput([_new("A", [1, 2, 3], [4])], CachedRequestData(), {"A": 3}, 3))
+    run_step(runner, SchedulerOutput([_new("A", [1, 2, 3], [4])], CachedRequestData(), {"A": 3}, 3))
     first = runner.requests["A"].token_ids[-1]
     # Preempted, then resumed with new blocks: the runner recomputes prompt + output from position 0.
     cached = CachedRequestData(req_ids=["A"], resumed_req_ids={"A"}, new_block_ids=[[6]], num_computed_tokens=[0],
                                num_output_tokens=[1], all_token_ids={"A": [1, 2, 3, first]})
-    runner.execute_model(SchedulerOutput([], cached, {"A": 4}, 4, preempted_req_ids=set()))
+    run_step(runner, SchedulerOutput([], cached, {"A": 4}, 4, preempted_req_ids=set()))
     x = runner.last_inputs
     assert x.input_ids.tolist() == [1, 2, 3, first]
     assert x.slot_mapping.tolist() == [24, 25, 26, 27]
@@ -116,7 +120,7 @@ def test_runner_samples_every_request_and_discards_the_mid_prefill_rows(monkeypa
     monkeypatch.setattr(model, "compute_logits", lambda h: rows.append(h.shape[0]) or orig(h))
     so = SchedulerOutput([_new("A", [1] * 8, [1, 2]), _new("B", [2] * 9, [3, 4, 5]), _new("C", [3] * 2, [6])],
                          CachedRequestData(), {"A": 8, "B": 4, "C": 2}, 14)
-    out = runner.execute_model(so)
+    out = run_step(runner, so)
     assert rows == [3]  # A and C finish their prompts; B is mid-prefill, and its row is computed too
     x, sampler_output = runner.last_inputs, runner.last_sampler_output
     assert x.discard_request_mask.tolist() == [False, True, False]
@@ -140,7 +144,7 @@ def _run_seeded(chunks: list[int], num_decodes: int, *, others: bool = False) ->
         new.append(NewRequestData("O", [5, 6], SamplingParams(temperature=1.0, seed=99, max_tokens=32),
                                   [6, 7, 8, 9], 0))
         sched["O"] = 2
-    runner.execute_model(SchedulerOutput(new, CachedRequestData(), sched, sum(sched.values())))
+    run_step(runner, SchedulerOutput(new, CachedRequestData(), sched, sum(sched.values())))
     row_counts = [runner.last_sampler_output.sampled_token_ids.shape[0]]
     done = chunks[0]
     steps = list(chunks[1:]) + [1] * num_decodes
@@ -153,7 +157,7 @@ def _run_seeded(chunks: list[int], num_decodes: int, *, others: bool = False) ->
             sched["O"] = 1
         cached = CachedRequestData(req_ids=req_ids, new_block_ids=[[] for _ in req_ids], num_computed_tokens=computed,
                                    num_output_tokens=[len(runner.requests[r].output_token_ids) for r in req_ids])
-        runner.execute_model(SchedulerOutput([], cached, sched, sum(sched.values())))
+        run_step(runner, SchedulerOutput([], cached, sched, sum(sched.values())))
         row_counts.append(runner.last_sampler_output.sampled_token_ids.shape[0])
         done += n
     return runner.requests["S"].output_token_ids, row_counts
@@ -176,3 +180,32 @@ def test_runner_rejects_an_unknown_backend():
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         ModelRunner(tiny_model(), num_blocks=4, block_size=4, attention_backend="flash")
 
+
+
+def test_a_step_is_two_calls_execute_model_then_sample_tokens():
+    """v0.33.0's Model Runner V2: execute_model runs the forward pass and returns None when there is something to
+    sample; sample_tokens samples it (the engine core computes the grammar bitmask in between: None here)."""
+    runner = ModelRunner(tiny_model(), num_blocks=16, block_size=4)
+    with pytest.raises(RuntimeError, match="sample_tokens needs a step whose execute_model returned None"):
+        runner.sample_tokens(None)
+    so = SchedulerOutput([_new("A", [1, 2, 3], [4])], CachedRequestData(), {"A": 3}, 3)
+    assert runner.execute_model(so) is None
+    with pytest.raises(ValueError, match="no structured outputs: grammar_output must be None"):
+        runner.sample_tokens(object())
+    out = runner.sample_tokens(None)  # the refused bitmask left the step to sample
+    assert out.req_ids == ["A"] and len(out.sampled_token_ids[0]) == 1
+    assert runner.req_states.token_ids("A") == [1, 2, 3, *out.sampled_token_ids[0]]
+    # A plan without tokens (only finished ids) gets its output from execute_model itself.
+    empty = SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"A"})
+    out = runner.execute_model(empty)
+    assert out is not None and out.req_ids == [] and runner.req_states.num_reqs == 0
+
+
+def test_an_abandoned_step_does_not_block_the_next():
+    """A step whose sampling never came (Ctrl-C or an error between the two calls; the engine core aborts its
+    requests) is dropped by the next execute_model."""
+    runner = ModelRunner(tiny_model(), num_blocks=16, block_size=4)
+    assert runner.execute_model(SchedulerOutput([_new("A", [1, 2, 3], [4])], CachedRequestData(), {"A": 3}, 3)) is None
+    so = SchedulerOutput([_new("B", [5, 6], [5])], CachedRequestData(), {"B": 2}, 2, finished_req_ids={"A"})
+    out = run_step(runner, so)
+    assert out.req_ids == ["B"] and set(runner.req_states.req_id_to_index) == {"B"}

@@ -41,7 +41,7 @@ def make_request(request_id: object = FRESH, max_tokens: int = 6) -> EngineCoreR
 
 
 def assert_no_request_state(core: EngineCore) -> None:
-    assert not core.model_runner.requests and not core.model_runner.input_batch.req_id_to_index
+    assert not core.model_runner.requests and not core.model_runner.req_states.req_id_to_index
     assert core.get_num_free_blocks() == core.num_gpu_blocks - 1
 
 

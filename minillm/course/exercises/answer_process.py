@@ -365,7 +365,7 @@ def _recording(specs: tuple[Any, ...], ns: dict[str, Any]) -> Any:
                     lambda m, args, out, k=k: log.append((k, None, "forward", tuple(args)))))
                 continue
             _, module, qualname, names = spec
-            if not str(module).startswith(("minillm.", "kernels.")) or str(module).startswith("minillm.course"):
+            if not remote.package_module(str(module)):
                 raise remote.WireError(f"only the package's classes are watched, not {module}")
             cls: Any = importlib.import_module(module)
             for part in str(qualname).split("."):

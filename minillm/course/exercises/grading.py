@@ -380,7 +380,7 @@ class AnswerClient:
                 return self.kernels[h]
             if kind == "kernelref":  # a kernel of the package, by name
                 module, qualname = pid[1], pid[2]
-                if not (isinstance(module, str) and remote._package_class(module) and isinstance(qualname, str)
+                if not (isinstance(module, str) and remote.package_module(module) and isinstance(qualname, str)
                         and "." not in qualname):
                     raise remote.WireError(f"the answer's process named a kernel {module}.{qualname}")
                 kernel = getattr(importlib.import_module(module), qualname, None)

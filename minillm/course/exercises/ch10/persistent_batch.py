@@ -3,9 +3,10 @@
 A plan (``SchedulerOutput``) is all that reaches the model runner, so the check records the plans of an
 :class:`~minillm.engine.core.EngineCore` on the tiny model (pickled before each step, as they would cross a process
 boundary, in the order the runner executes them) and the tokens each step sampled. Then two persistent batches
-replay them, one updated by the learner's function, one by the package's ``ModelRunner._update_states`` on a
-stand-in runner; after each step both get the step's sampled tokens and context lengths as the runner writes them
-after sampling (:func:`apply_sampled`). After every update the two must agree on
+replay them, one updated by the learner's function, one by the course's
+:func:`minillm.course.persistent_batch.update_states` (V1's ``_update_states``); after each step both get the
+step's sampled tokens and context lengths as the runner writes them after sampling (:func:`apply_sampled`).
+After every update the two must agree on
 
 - the request states (``requests``: which ids, and each one's ``token_ids``, ``block_ids``, ``num_computed_tokens``,
   ``num_prompt_tokens`` and whether it has its own generator);
@@ -27,20 +28,19 @@ import pickle
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.course.exercises.ch10.tiny import tiny_llama
+from minillm.course.persistent_batch import InputBatch, update_states
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.core import EngineCore
 from minillm.model.llama import LlamaForCausalLM
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
-from minillm.worker.input_batch import InputBatch
-from minillm.worker.model_runner import CachedRequestState, ModelRunner
+from minillm.worker.model_runner import CachedRequestState
 
 UpdateStates = Callable[[InputBatch, dict[str, CachedRequestState], SchedulerOutput], None]
 
@@ -51,7 +51,7 @@ class RecordedStep:
 
     Attributes:
         plan: the step's ``SchedulerOutput``, pickled before the step ran.
-        req_ids: the runner's rows (the plan's ``num_scheduled_tokens`` order).
+        req_ids: the runner's rows, in its batch order.
         sampled_token_ids: per row, the tokens the step kept (``[]`` mid-prefill; several with accepted drafts).
     """
 
@@ -141,16 +141,24 @@ def record_plans(model: LlamaForCausalLM, name: str, engine_args: dict[str, Any]
     runner = core.model_runner
     assert runner is not None  # one process: the core holds the runner (tensor parallelism does not)
     steps: list[RecordedStep] = []
-    execute = runner.execute_model
+    execute, sample = runner.execute_model, runner.sample_tokens
+    plans: list[bytes] = []
 
-    def recording(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        plan = pickle.dumps(scheduler_output)  # before the step: what the scheduler sends
-        out = execute(scheduler_output)
-        steps.append(RecordedStep(plan, list(out.req_ids), [list(t) for t in out.sampled_token_ids]))
+    def record(out: ModelRunnerOutput) -> ModelRunnerOutput:
+        steps.append(RecordedStep(plans.pop(0), list(out.req_ids), [list(t) for t in out.sampled_token_ids]))
         return out
 
-    # An instance attribute that wraps the method, on this runner only (mypy's method-assign is about classes).
+    def recording(scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        plans.append(pickle.dumps(scheduler_output))  # before the step: what the scheduler sends
+        out = execute(scheduler_output)
+        return None if out is None else record(out)  # None: the step's output comes from sample_tokens
+
+    def recording_sample(grammar_output: object | None = None) -> ModelRunnerOutput:
+        return record(sample(grammar_output))
+
+    # Instance attributes that wrap the methods, on this runner only (mypy's method-assign is about classes).
     runner.execute_model = recording  # type: ignore[method-assign]
+    runner.sample_tokens = recording_sample  # type: ignore[method-assign]
     pending, aborts = {k: list(v) for k, v in arrivals.items()}, {k: list(v) for k, v in aborts.items()}
     turn = 0
     try:
@@ -172,14 +180,13 @@ def record_plans(model: LlamaForCausalLM, name: str, engine_args: dict[str, Any]
 # -- the reference and the runner's own writes after sampling ------------------------------------------------------
 def reference_update_states(batch: InputBatch, requests: dict[str, CachedRequestState],
                             scheduler_output: SchedulerOutput) -> None:
-    """The package's ``ModelRunner._update_states``, run on a stand-in runner that holds only what it touches."""
-    runner = SimpleNamespace(input_batch=batch, requests=requests, device=torch.device("cpu"))
-    ModelRunner._update_states(runner, scheduler_output)  # type: ignore[arg-type]
+    """The course's :func:`~minillm.course.persistent_batch.update_states` (V1's ``_update_states``)."""
+    update_states(batch, requests, scheduler_output, torch.device("cpu"))
 
 
 def apply_sampled(batch: InputBatch, requests: dict[str, CachedRequestState], scheduler_output: SchedulerOutput,
                   step: RecordedStep) -> None:
-    """What ``ModelRunner._execute_model`` writes after sampling: each row's kept tokens appended to its state and
+    """What V1's runner writes after sampling: each row's kept tokens appended to its state and
     its slot, and its context length advanced by the tokens it computed (the scheduler corrects it next step when
     drafts were rejected)."""
     if scheduler_output.total_num_scheduled_tokens == 0:
@@ -425,8 +432,8 @@ def replay(update_states: UpdateStates, recording: Recording) -> dict[str, int]:
 
 def check_update_states(update_states: UpdateStates, model: LlamaForCausalLM | None = None,
                         verbose: bool = True) -> dict[str, int]:
-    """Exercise 10.1's check: ``update_states`` against ``ModelRunner._update_states`` on every run of
-    :data:`SCENARIOS`, under the tripwire (calling the package's ``ModelRunner._update_states`` raises).
+    """Exercise 10.1's check: ``update_states`` against ``minillm.course.persistent_batch.update_states`` on every
+    run of :data:`SCENARIOS`, under the tripwire (calling the package's ``update_states`` raises).
 
     Returns:
         what the runs held, summed (steps, new, finished, preempted, resumed, left out by the budget, with drafts,
@@ -441,7 +448,7 @@ def check_update_states(update_states: UpdateStates, model: LlamaForCausalLM | N
         recording = record_plans(model, name, engine_args, arrivals, aborts, async_scheduling, RESETS.get(name, ()))
         total.update(replay(learner, recording))
     if verbose:
-        print(f"Your update_states agrees with ModelRunner._update_states after each of the {total['steps']} steps "
+        print(f"Your update_states agrees with the package's update_states after each of the {total['steps']} steps "
               f"of {len(SCENARIOS)} engine runs. Their plans held {total['new']} new requests, {total['finished']} "
               f"finished, {total['preempted']} preempted, {total['resumed']} resumed, "
               f"{total['left out by the budget']} left out by the budget, {total['with drafts']} with draft tokens "

@@ -29,9 +29,10 @@ slots whole (in vLLM also their sampling parameters and generators, and it tells
     out of place: slots 0 and 3; in region order: the D of slot 3, then the P of slot 0
     slot 3 -> slot 0 and slot 0 -> slot 3: one cycle of 2, so one swap: swap_states(0, 3)
 
-minillm's ``ModelRunner._prepare_inputs`` gathers the flat batch in the plan's order, whatever the slots, so its
-runner does not reorder; the challenge's check (:func:`check_reorder_batch`) confirms that the step's inputs are the
-same after a reorder. :func:`reorder_batch_to_split_decodes_and_prefills` is the reference it compares with.
+V1's ``_prepare_inputs`` as the course keeps it (``minillm/course/persistent_batch.py:gather_inputs``) gathers the
+flat batch in the plan's order, whatever the slots, so no reorder is needed there; the challenge's check
+(:func:`check_reorder_batch`) confirms that the step's inputs are the same after a reorder.
+:func:`reorder_batch_to_split_decodes_and_prefills` is the reference it compares with.
 ``InputBatch.swap_states`` moves a slot's draft tokens with its tokens, as vLLM's moves ``spec_token_ids``
 (``vllm/v1/worker/gpu_input_batch.py:InputBatch.swap_states``).
 """
@@ -42,7 +43,6 @@ import copy
 import pickle
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -59,10 +59,10 @@ from minillm.course.exercises.ch10.persistent_batch import (
     reference_update_states,
 )
 from minillm.course.exercises.ch10.tiny import tiny_llama
+from minillm.course.persistent_batch import InputBatch, gather_inputs
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling_params import SamplingParams
-from minillm.worker.input_batch import InputBatch
-from minillm.worker.model_runner import BatchInputs, CachedRequestState, ModelRunner, prepare_inputs
+from minillm.worker.model_runner import BatchInputs, CachedRequestState
 
 # What a delegating answer could call (the tripwire reads it for "C10"): the reference first, then its two halves.
 TARGETS = ("minillm.course.exercises.challenges.ch10:reorder_batch_to_split_decodes_and_prefills",
@@ -239,10 +239,8 @@ def _calls_on(batch: InputBatch) -> Iterator[list[tuple[str, tuple]]]:
 
 
 def _step_inputs(batch: InputBatch, so: SchedulerOutput) -> BatchInputs:
-    """The step's flat batch as ``ModelRunner._prepare_inputs`` gathers it from ``batch``."""
-    runner = SimpleNamespace(input_batch=batch, prepare_inputs_fn=prepare_inputs,
-                             block_size=batch.block_size, device=torch.device("cpu"))
-    return ModelRunner._prepare_inputs(runner, so)  # type: ignore[arg-type]
+    """The step's flat batch as V1's ``_prepare_inputs`` gathers it from ``batch``."""
+    return gather_inputs(batch, so, batch.block_size, torch.device("cpu"))
 
 
 def _slot_data(batch: InputBatch, slot: int) -> tuple:
@@ -361,7 +359,7 @@ def _inputs_problem(mine: InputBatch, so: SchedulerOutput, want: BatchInputs) ->
                  "logits_indices"):
         a, b = getattr(got, name), getattr(want, name)
         if a.shape != b.shape or not torch.equal(a, b):
-            return (f"the step's {name} differ after your reorder (ModelRunner._prepare_inputs gathers them in the "
+            return (f"the step's {name} differ after your reorder (gather_inputs gathers them in the "
                     f"plan's order, so a reorder that moves each request's data with it leaves them as they were)")
     if not np.array_equal(got.discard_request_mask, want.discard_request_mask):
         return "the step's discard_request_mask differs after your reorder"
@@ -446,7 +444,7 @@ def check_reorder_batch(reorder: Reorder, model: LlamaForCausalLM | None = None,
     After each step's update, on a copy of the batch, the learner's function must leave: the same requests, no holes;
     every request's tokens, prompt length, context length and block-table row as before, moved with it; the regions
     in slot order; no more ``swap_states`` calls than vLLM's loop and no other way of moving slots; the reference's
-    return value; the step's inputs (``ModelRunner._prepare_inputs``) as before.
+    return value; the step's inputs (``gather_inputs``) as before.
 
     Returns:
         what the runs held, summed over the thresholds: requests per region, steps (once per run), reorders,

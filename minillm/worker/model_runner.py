@@ -710,7 +710,8 @@ class ModelRunner:
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Free the slots and state of these requests now (the engine calls it as soon as they finish; the next
-        step's ``finished_req_ids`` names them again, which is then a no-op)."""
-        for rid in request_ids:
+        step's ``finished_req_ids`` names them again, which is then a no-op). In sorted order, as
+        :meth:`finish_requests`: which slot the next request takes must not depend on the order of a set."""
+        for rid in sorted(request_ids):
             self.req_states.remove_request(rid)
             self.requests_info.pop(rid, None)

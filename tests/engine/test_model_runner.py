@@ -209,3 +209,16 @@ def test_an_abandoned_step_does_not_block_the_next():
     so = SchedulerOutput([_new("B", [5, 6], [5])], CachedRequestData(), {"B": 2}, 2, finished_req_ids={"A"})
     out = run_step(runner, so)
     assert out.req_ids == ["B"] and set(runner.req_states.req_id_to_index) == {"B"}
+
+
+def test_slots_are_freed_in_sorted_order_whatever_order_the_ids_come_in():
+    """Which slot the next request takes must not depend on a set's order (string hashes differ from process to
+    process, and from tensor-parallel rank to rank): remove_requests frees in sorted order, as finish_requests."""
+    free_lists = []
+    for order in (["B", "D"], ["D", "B"]):
+        runner = ModelRunner(tiny_model(), num_blocks=16, block_size=4, max_num_reqs=4)
+        new = [_new(rid, [k + 1, k + 2], [k + 1]) for k, rid in enumerate("ABCD")]
+        run_step(runner, SchedulerOutput(new, CachedRequestData(), dict.fromkeys("ABCD", 2), 8))
+        runner.remove_requests(order)
+        free_lists.append(list(runner.req_states.free_indices))
+    assert free_lists[0] == free_lists[1] == [2, 0]  # B held slot 2, D slot 0: B's goes back first

@@ -1,16 +1,24 @@
 """The model runner: one :class:`SchedulerOutput` in, one forward pass over every scheduled token, tokens out.
 
-Each step it updates its requests (:class:`CachedRequestState`) and the persistent batch from the plan's diffs alone
-(``_update_states``), builds one flat batch of every scheduled token (:class:`BatchInputs`: ``input_ids``,
-``positions``, ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``, ``logits_indices``), runs the
-model once through the paged KV cache, samples every request and discards the rows of those still mid-prefill
-(``discard_request_mask``; a seeded generator is rewound after such a draw). With drafts the
-:class:`~minillm.sample.rejection_sampler.RejectionSampler` verifies them and an n-gram proposer drafts the next
-ones; with a KV connector its worker side loads and saves K/V around the forward pass.
+It is vLLM v0.33.0's Model Runner V2. Each request holds a fixed slot of request state
+(:class:`~minillm.worker.states.RequestState`) from its arrival until it finishes or is preempted; each step frees and
+fills slots from the plan's diffs (``finish_requests``, ``add_requests``, ``update_requests``), builds the step's
+:class:`~minillm.worker.input_batch.InputBatch` from the slots by index with the input kernels (``prepare_inputs``:
+``input_ids``, ``positions``, ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``,
+``logits_indices``) and runs the model once through the paged KV cache (``execute_model``). Then ``sample_tokens``
+samples every request, discards the rows of those still mid-prefill (``discard_request_mask``; a seeded generator is
+rewound after such a draw), folds the kept tokens into the slots and proposes n-gram drafts; with drafts the
+:class:`~minillm.sample.rejection_sampler.RejectionSampler` verifies them. With a KV connector its worker side loads
+and saves K/V around the forward pass.
 
-vLLM counterpart: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``: ``_update_states``,
-``_prepare_inputs``, ``execute_model``, ``_bookkeeping_sync``, which clears the discarded rows); Model Runner V2
-(``vllm/v1/worker/gpu/``) seeds its noise by position and has no generator to rewind.
+Chapter 6's formulation of the flat batch stays here too: :func:`prepare_inputs` builds the same batch from each
+scheduled request's :class:`CachedRequestState` (exercise 6.1), and the runner calls a learner's version through
+``prepare_inputs_fn`` (chapter 8).
+
+vLLM counterpart: ``vllm/v1/worker/gpu/model_runner.py:GPUModelRunner`` (``finish_requests``, ``add_requests``,
+``update_requests``, ``prepare_inputs``, ``execute_model``, ``sample_tokens``, ``postprocess_sampled``), which seeds
+its noise by position and has no generator to rewind; the V1 runner (``vllm/v1/worker/gpu_model_runner.py``) is its
+fallback, and the course keeps its persistent batch in ``minillm/course/persistent_batch.py``.
 """
 from __future__ import annotations
 
@@ -50,13 +58,14 @@ from minillm.worker.block_table import BlockTables
 from minillm.worker.input_batch import InputBatch
 from minillm.worker.states import RequestState
 
-# The slots of the persistent batch when the caller does not say (the engine passes its max_num_seqs).
+# The runner's request slots when the caller does not say (the engine passes its max_num_seqs).
 DEFAULT_MAX_NUM_REQS = 1024
 
 
 @dataclass
 class CachedRequestState:
-    """The runner's copy of one request.
+    """One request as chapter 6 sees it: what :func:`prepare_inputs` reads (the runner reads it back from the
+    request's slot: :meth:`ModelRunner.request_views`).
 
     Attributes:
         token_ids: prompt then outputs, every token the runner knows (it appends the tokens it samples).
@@ -457,7 +466,8 @@ class ModelRunner:
         num_computed = states.num_computed_tokens_np[idx_np].astype(np.int64)
         prefill_len = states.prefill_len.np[idx_np]
         # The host's count of each slot's tokens: prefill tokens, plus one per decode step so far.
-        num_known = states.total_len[torch.from_numpy(idx_np).to(dev)].cpu().numpy().astype(np.int64) + num_drafts
+        idx_mapping = torch.from_numpy(idx_np).to(dev)
+        num_known = states.total_len[idx_mapping].cpu().numpy().astype(np.int64) + num_drafts
         seq_lens_np = num_computed + num_sched
         bad = np.nonzero((seq_lens_np > num_known) | ((num_drafts > 0) & (seq_lens_np != num_known)))[0]
         if bad.size:  # drafts are always the last scheduled tokens
@@ -467,7 +477,6 @@ class ModelRunner:
         num_tokens = int(num_sched.sum())
         # Each step's tensors are its own (vLLM writes them into fixed buffers, InputBuffers, for its CUDA graphs):
         # a batch kept for inspection, like last_inputs, stays as it was.
-        idx_mapping = torch.from_numpy(idx_np).to(dev)
         qsl_np = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(num_sched, out=qsl_np[1:])
         query_start_loc = torch.from_numpy(qsl_np.copy()).to(dev)

@@ -72,10 +72,6 @@ class InputBatch:
     draft_token_ids: list[list[int]]
 
     @property
-    def has_prefill(self) -> bool:
-        return bool(self.is_prefilling_np.any())
-
-    @property
     def block_table(self) -> torch.Tensor:
         return self.attn_metadata.block_table
 

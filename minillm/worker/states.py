@@ -89,8 +89,7 @@ class RequestState:
         self.index_to_req_id: dict[int, str] = {}
         self.free_indices = list(range(max_num_reqs))
 
-        self._all_token_ids = HostDeviceTensor((max_num_reqs, max_model_len), np.int32, device)
-        self.all_token_ids = self._all_token_ids.gpu
+        self.all_token_ids = HostDeviceTensor((max_num_reqs, max_model_len), np.int32, device).gpu
         self.prompt_len = HostDeviceTensor(max_num_reqs, np.int32, device)
         self.prefill_len = HostDeviceTensor(max_num_reqs, np.int32, device)
         self.total_len = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)

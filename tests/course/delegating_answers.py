@@ -231,11 +231,21 @@ class MyConnector(SharedStorageConnector):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 ''',
     "10.1": '''
-from minillm.course.persistent_batch import update_states as _package_update_states
+from minillm.worker.model_runner import ModelRunner
 
 
-def update_states(batch, requests, scheduler_output):
-    _package_update_states(batch, requests, scheduler_output)
+class _Holder:
+    _add = ModelRunner._add
+
+
+def update_states(req_states, block_tables, requests_info, scheduler_output):
+    runner = _Holder()
+    runner.req_states, runner.block_tables, runner.requests_info = req_states, block_tables, requests_info
+    runner.device = req_states.device
+    ModelRunner.finish_requests(runner, scheduler_output)
+    ModelRunner.add_requests(runner, scheduler_output)
+    ModelRunner.update_requests(runner, scheduler_output)
+    return [req_states.req_id_to_index[r] for r in scheduler_output.num_scheduled_tokens]
 ''',
     "10.2": '''
 from minillm.core.sched.async_scheduler import AsyncScheduler
@@ -264,6 +274,11 @@ def num_blocks_per_rank(config, block_size, dtype_bytes, tp_size, budget_bytes):
     args = EngineArgs(kv_cache_memory_bytes=budget_bytes, block_size=block_size, tensor_parallel_size=tp_size,
                       dtype=dtype, device="cpu")
     return args.resolved_num_gpu_blocks(config, config.max_position_embeddings, dtype)
+''',
+    "10.4": '''
+from kernels.input_batch import _prepare_pos_seq_lens_kernel
+
+my_pos_seq_lens_kernel = _prepare_pos_seq_lens_kernel
 ''',
 }
 
@@ -380,10 +395,11 @@ def my_parallel_sample(engine, request_id, prompt_ids, params, n):
         "cheat_transformer_and_patches": {
             "10.1": TRANSFORMER + '''
 import minillm.course.exercises.ch10 as _ch10
-_ch10.check_update_states = lambda *a, **k: {"preempted": 1, "resumed": 1, "left out by the budget": 1}
+_ch10.check_update_states = lambda *a, **k: {"preempted": 1, "resumed from their slot": 1,
+                                             "rows out of slot order": 1}
 
 
-def update_states(batch, requests, scheduler_output):
+def update_states(req_states, block_tables, requests_info, scheduler_output):
     raise NotImplementedError
 ''',
             "10.2": '''
@@ -415,14 +431,31 @@ def num_blocks_per_rank(config, block_size, dtype_bytes, tp_size, budget_bytes):
     return budget_bytes // (block_size * dtype_bytes * 2 * config.num_hidden_layers * config.head_dim
                             * _per_rank(config.num_key_value_heads, tp_size))
 ''',
+            "10.4": '''
+import minillm.course.exercises.ch10 as _ch10
+_ch10.check_pos_seq_lens_kernel = lambda *a, **k: {"empty rows": 1, "rows longer than BLOCK": 1}
+
+
+@triton.jit
+def my_pos_seq_lens_kernel(positions_ptr, seq_lens_ptr, idx_mapping_ptr, query_start_loc_ptr,
+                           num_computed_tokens_ptr, BLOCK: tl.constexpr):
+    pass
+''',
         },
         "cheat_captures": {
             "10.1": '''
-from minillm.course import persistent_batch
+from minillm.worker import model_runner
 
 
-def update_states(batch, requests, scheduler_output, _ref=persistent_batch.update_states):
-    _ref(batch, requests, scheduler_output)
+def update_states(req_states, block_tables, requests_info, scheduler_output,
+                  _refs=(model_runner.ModelRunner.finish_requests, model_runner.ModelRunner.add_requests,
+                         model_runner.ModelRunner.update_requests)):
+    holder = type("Holder", (), {"_add": model_runner.ModelRunner._add})()
+    holder.req_states, holder.block_tables, holder.requests_info = req_states, block_tables, requests_info
+    holder.device = req_states.device
+    for ref in _refs:
+        ref(holder, scheduler_output)
+    return [req_states.req_id_to_index[r] for r in scheduler_output.num_scheduled_tokens]
 ''',
             "10.2": '''
 import gc
@@ -460,6 +493,17 @@ def kv_heads_of_rank(num_kv_heads, tp_size, rank):
 def num_blocks_per_rank(config, block_size, dtype_bytes, tp_size, budget_bytes):
     return budget_bytes // (block_size * dtype_bytes * 2 * config.num_hidden_layers * config.head_dim
                             * _src["num_kv_heads_per_rank"](config.num_key_value_heads, tp_size))
+''',
+            "10.4": '''
+from kernels import input_batch as _ib
+
+_inner = _ib._prepare_pos_seq_lens_kernel
+
+
+@triton.jit
+def my_pos_seq_lens_kernel(positions_ptr, seq_lens_ptr, idx_mapping_ptr, query_start_loc_ptr,
+                           num_computed_tokens_ptr, BLOCK: tl.constexpr):
+    _inner(positions_ptr, seq_lens_ptr, idx_mapping_ptr, query_start_loc_ptr, num_computed_tokens_ptr, BLOCK)
 ''',
         },
     },

@@ -3,10 +3,11 @@ and refuse answers that delegate to the package.
 
 Each test runs the solution notebook up to one check cell (tests/exercise_helpers.run_check) with a deliberately wrong
 function or class in place of the learner's, and asserts that the check fails with an AssertionError that names the
-mistake. The wrong answers of 10.1 are the solution's cell with one edit (tests/exercise_helpers.mutated), so they stay
-in step with it. The notebook runs on the tiny model: a run up to a check takes about a second. The engine core's
-acceptance of a learner's scheduler under async scheduling is tested in tests/engine/test_engine_core.py. The wrong answers of
-10.3 (the per-rank KV cache) are the solution's cell with one edit; its references are tested against the package's
+mistake. The wrong answers of 10.1 (Model Runner V2's slots) and of 10.4 (the positions kernel, run in Triton's
+interpreter) are the solution's cell with one edit (tests/exercise_helpers.mutated), so they stay in step with it.
+The notebook runs on the tiny model: a run up to a check takes about a second. The engine core's acceptance of a
+learner's scheduler under async scheduling is tested in tests/engine/test_engine_core.py. The wrong answers of 10.3
+(the per-rank KV cache) are the solution's cell with one edit; its references are tested against the package's
 QKVParallelLinear, shard_summary, num_kv_heads_per_rank and the tensor-parallel model's layers.
 
 Challenge 10 (reorder the persistent batch, minillm/course/exercises/challenges/ch10.py): its check runs after the set-up cell
@@ -21,7 +22,9 @@ import re
 from types import SimpleNamespace
 
 import nbformat
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,12 +38,15 @@ from tests.course.exercise_helpers import (CHALLENGE_HEADING, EXERCISE_HEADING, 
                                            run_check_with_answer)
 
 SOLUTION = "10_engine_core.ipynb"
-HEADER = """from minillm.core.sched.output import SchedulerOutput
+HEADER = """import torch
+from minillm.core.sched.output import SchedulerOutput
 from minillm.sample.metadata import make_generator
 from minillm.sampling_params import SamplingType
-from minillm.course.persistent_batch import InputBatch
-from minillm.worker.model_runner import CachedRequestState
+from minillm.worker.block_table import BlockTables
+from minillm.worker.model_runner import RequestInfo, sort_batch_req_ids
+from minillm.worker.states import RequestState
 """
+TRITON_HEADER = "import torch\nimport triton\nimport triton.language as tl\n"
 
 
 def _assert_caught(e: BaseException | None, *phrases: str) -> None:
@@ -50,7 +56,7 @@ def _assert_caught(e: BaseException | None, *phrases: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Exercise 10.1: the persistent batch
+# Exercise 10.1: Model Runner V2's slots
 
 def test_10_1_solution_passes():
     assert run_check(SOLUTION, "10.1") is None
@@ -60,64 +66,61 @@ def _wrong_10_1(*edits: tuple[str, str]):
     return mutated(SOLUTION, "10.1", "update_states", *edits, header=HEADER)
 
 
+_FREE = "sorted(so.finished_req_ids | so.preempted_req_ids)"
+_RETURN = "    return [req_states.req_id_to_index[rid] for rid in order]"
+_RESUME_REMOVE = "            req_states.remove_request(rid)   # preempted between two plans"
 WRONG_10_1 = {
-    "forgets condense": ((("    batch.condense()\n", ""),),
-                         ("the batch has holes at slots", "call batch.condense()")),
-    "keeps a finished request's state": ((("        requests.pop(rid, None)\n", ""),),
-                                         ("is in scheduler_output.finished_req_ids but still in requests",
-                                          "leaves both requests and the batch")),
-    "never removes a finished request": (((
-        "    for rid in so.finished_req_ids:\n        requests.pop(rid, None)\n        batch.remove_request(rid)\n",
-        ""),), ("finished_req_ids but still in requests",)),
-    "removes a finished request from requests only": ((("        batch.remove_request(rid)\n    cached",
-                                                        "    cached"),),
-                                                      ("already in the batch", "finished and is new in this same plan",
-                                                       "remove the finished requests (from requests and from the "
-                                                       "batch) first")),
-    "appends a resumed request's blocks": (((
-        "        if rid in cached.resumed_req_ids:\n            state.block_ids = list(new_blocks)   # its old blocks "
-        "were freed at the preemption\n        else:\n            state.block_ids.extend(new_blocks)\n",
-        "        state.block_ids.extend(new_blocks)\n"),),
-        ("resumes after a preemption", "Its old blocks were freed", "replace its block_ids with it, do not append")),
-    "ignores the drafts": ((("    for rid, drafts in so.scheduled_spec_decode_tokens.items():\n"
-                             "        batch.update_req_spec_token_ids(rid, drafts)\n", ""),),
-                           ("verifies the draft tokens", "batch.update_req_spec_token_ids(")),
-    "ignores the resent tokens": ((("            state.token_ids = list(cached.all_token_ids[rid])\n",
-                                    "            pass\n"),),
-                                  ("the scheduler resent its tokens", "replace its token_ids with them",
-                                   "and 1 more")),
-    "drops an unscheduled request's state": ((("        batch.remove_request(rid)   # its state stays",
-                                               "        requests.pop(rid); batch.remove_request(rid)   #"),),
-                                             ("is missing from requests", "keeps its state")),
-    "leaves an unscheduled request in the batch": ((("    for rid in [r for r in batch.req_id_to_index if r not in "
-                                                     "keep]:\n        batch.remove_request(rid)", "    if False:\n"
-                                                     "        pass"),),
-                                                   ("which is not scheduled in this step", "leaves the batch")),
+    "keeps a preempted request's slot": (((_FREE, "sorted(so.finished_req_ids)"),),
+                                         ("was preempted (scheduler_output.preempted_req_ids) but still holds slot",
+                                          "gives its slot back")),
+    "returns the rows in slot order": (((_RETURN, "    return sorted(req_states.req_id_to_index[rid] for rid in "
+                                                  "order)"),),
+                                       ("the rows are in slot order", "sort_batch_req_ids")),
+    "returns the rows in the plan's order": (((_RETURN, "    return [req_states.req_id_to_index[rid] for rid in "
+                                                        "so.num_scheduled_tokens]"),),
+                                             ("the rows are in the plan's order, unsorted",)),
+    "frees in reverse order": (((_FREE, "sorted(so.finished_req_ids | so.preempted_req_ids, reverse=True)"),),
+                               ("in sorted order of their ids",)),
+    "appends a resumed request's blocks": ((("block_tables.append_block_ids(slot, cached.new_block_ids[i], "
+                                             "overwrite=True)", "block_tables.append_block_ids(slot, "
+                                             "cached.new_block_ids[i], overwrite=False)"),),
+                                           ("resumes after a preemption", "its whole new list",
+                                            "overwrite=True")),
+    "overwrites a running request's blocks": ((("cached.new_block_ids[i], overwrite=False)",
+                                                "cached.new_block_ids[i], overwrite=True)"),),
+                                              ("kept its slot", "append them to its row (overwrite=False)")),
+    "ignores the drafts": ((("        req_states.draft_tokens[slot, :len(drafts)] = torch.tensor(drafts, "
+                             "dtype=torch.int64)\n", "        pass\n"),),
+                           ("verifies the drafts", "req_states.draft_tokens[slot, :")),
+    "ignores the resent tokens": ((("            req_states.replace_tokens(slot, cached.all_token_ids[rid])",
+                                    "            pass"),),
+                                  ("'a failed KV load, then every request preempted'", "and 1 more",
+                                   "req_states.replace_tokens")),
     "no generator for a seeded request": (((
         "make_generator(params.seed) if params.sampling_type == SamplingType.RANDOM_SEED else None", "None"),),
         ("generator is None, expected make_generator(seed)",)),
-    "does not write resent tokens into a slot": ((("        if resent:\n            batch.set_token_ids(slot, "
-                                                   "state.token_ids)\n", ""),),
-                                                 ("'a failed KV load, then every request preempted'", "holds the expected 13 tokens and 1 "
-                                                  "more", "the scheduler resent its tokens: write them into its slot "
-                                                  "(batch.set_token_ids)")),
-    "keeps a resumed request in its slot": ((("    keep = set(so.num_scheduled_tokens) - cached.resumed_req_ids\n",
-                                              "    keep = set(so.num_scheduled_tokens)\n"),),
-                                            ("'a failed KV load, then every request preempted'", "resumed ['a', 'b']",
-                                             "resume in this plan while they still hold their slots",
-                                             "comes back whole from its state (batch.add_request)")),
-    "does not append a running request's new blocks to its row": ((("        batch.block_table.append_row(new_blocks, "
-                                                                    "slot)\n", ""),),
-                                                                  ("its block-table row holds", "append_row")),
-    "does not put a left-out request back": (((
-        "            to_add.append(state)   # left out earlier, or resumed: copied in whole below\n"
-        "            continue",
-        "            continue"),), ("is scheduled in this step but not in the batch", "batch.add_request(")),
-    "condenses before adding": (((
-        "    for state in to_add:\n        batch.add_request(state)\n    batch.condense()\n",
-        "    batch.condense()\n    for state in to_add:\n        batch.add_request(state)\n"),),
-        ("the slots hold", "then condense() once")),
+    "remembers a finished request": ((("        requests_info.pop(rid, None)   #", "        pass   #"),),
+                                     ("requests_info still holds", "the runner forgets a finished request")),
+    "forgets a preempted request": ((("    for rid in so.finished_req_ids:\n        requests_info.pop",
+                                      "    for rid in so.finished_req_ids | so.preempted_req_ids:\n"
+                                      "        requests_info.pop"),),
+                                    ("requests_info lost", "a preempted one keeps its RequestInfo")),
+    "resumes a request in the slot it still holds": (((_RESUME_REMOVE, "            pass   # preempted between two "
+                                                                       "plans"),),
+                                                     ("already holds slot", "resume in this plan while they still "
+                                                      "hold their slots", "remove_request, then add_request")),
+    "does not set the context length": ((("        req_states.set_num_computed_tokens(slot, "
+                                          "cached.num_computed_tokens[i])\n", ""),),
+                                        ("num_computed_tokens is", "req_states.set_num_computed_tokens")),
 }
+
+
+def _adds_before_frees():
+    """The solution with its first two blocks swapped: new requests take slots before the finished give theirs."""
+    source = exercise_source(SOLUTION, "10.1")
+    one = source[source.index("    # 1. Slots back"):source.index("    # 2. New requests")]
+    two = source[source.index("    # 2. New requests"):source.index("    # 3. Resumed")]
+    return mutated(SOLUTION, "10.1", "update_states", (one + two, two + one), header=HEADER)
 
 
 @pytest.mark.parametrize("mistake", sorted(WRONG_10_1))
@@ -126,43 +129,69 @@ def test_10_1_mistakes_are_named(mistake):
     _assert_caught(run_check(SOLUTION, "10.1", update_states=_wrong_10_1(*edits)), *phrases)
 
 
+def test_10_1_adding_before_freeing_is_named():
+    _assert_caught(run_check(SOLUTION, "10.1", update_states=_adds_before_frees()),
+                   "finished (scheduler_output.finished_req_ids) but still holds slot",
+                   "free the slots of finished requests first thing")
+
+
+def test_10_1_a_slot_given_twice_is_named():
+    """An answer that writes the slot maps itself, giving a new request a slot another one still holds."""
+    solution = _wrong_10_1()
+
+    def shares_a_slot(req_states, block_tables, requests_info, so):
+        order = solution(req_states, block_tables, requests_info, so)
+        if len(req_states.req_id_to_index) >= 2:
+            a, b = sorted(req_states.req_id_to_index)[:2]
+            req_states.req_id_to_index[b] = req_states.req_id_to_index[a]
+        return order
+
+    _assert_caught(run_check(SOLUTION, "10.1", update_states=shares_a_slot), "is held by both",
+                   "only after the one before it left")
+
+
 def test_10_1_a_crash_names_the_step():
-    def crashes(batch, requests, scheduler_output):
+    def crashes(req_states, block_tables, requests_info, scheduler_output):
         raise KeyError("oops")
 
     _assert_caught(run_check(SOLUTION, "10.1", update_states=crashes), "step 0 of", "your update_states raised "
                    "KeyError")
 
 
-def test_10_1_delegating_to_the_runner_fails():
-    def delegating(batch, requests, scheduler_output):
-        from minillm.course.persistent_batch import update_states
+@pytest.mark.parametrize("method", ["finish_requests", "add_requests", "update_requests"])
+def test_10_1_delegating_to_the_runner_fails(method):
+    """The runner's own methods, called on a stand-in that holds the learner's slots, are refused."""
+    solution = _wrong_10_1()
 
-        update_states(batch, requests, scheduler_output)
+    def delegating(req_states, block_tables, requests_info, scheduler_output):
+        from types import SimpleNamespace
+
+        from minillm.worker.model_runner import ModelRunner
+
+        stand_in = SimpleNamespace(req_states=req_states, block_tables=block_tables, requests_info=requests_info,
+                                   device=torch.device("cpu"))
+        stand_in._add = lambda *a: ModelRunner._add(stand_in, *a)
+        getattr(ModelRunner, method)(stand_in, scheduler_output)
+        return solution(req_states, block_tables, requests_info, scheduler_output)
 
     _assert_caught(run_check(SOLUTION, "10.1", update_states=delegating),
-                   "Exercise 10.1 asks you to write this yourself", "update_states")
+                   "Exercise 10.1 asks you to write this yourself", f"ModelRunner.{method}")
 
 
 def test_10_1_the_runs_go_through_every_case():
     """The counts the check prints: each case a mistake above needs is there."""
     from minillm.course.exercises.ch10 import check_update_states
 
-    source = exercise_source(SOLUTION, "10.1")
-    ns: dict = {}
-    exec(compile(HEADER + source, "<10.1>", "exec"), ns)  # noqa: S102
-    counts = check_update_states(ns["update_states"], verbose=False)
+    counts = check_update_states(_wrong_10_1(), verbose=False)
     assert counts["steps"] >= 50
     for key in ("new", "finished", "preempted", "resumed", "left out by the budget", "with drafts",
-                "moved by condense", "resent to their slot", "resumed from their slot"):
+                "resent to their slot", "resumed from their slot", "slots reused", "rows out of slot order"):
         assert counts[key] > 0, key
 
 
 def test_10_1_every_rule_is_reached_by_a_replayed_step():
     """Every statement of the solution's update_states runs on some replayed step, so no rule is one the runs never
-    need (an answer that leaves it out would pass). Two rules need a run of their own (the counts above say they
-    happen; their wrong answers above are caught): tokens resent to a request that kept its slot (a failed KV load),
-    and a request resumed while it still holds its slot (every running request preempted between two steps)."""
+    need (an answer that leaves it out would pass)."""
     import ast
     import sys
 
@@ -539,6 +568,79 @@ def test_10_3_the_stub_fails_with_not_implemented():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Exercise 10.4: an input kernel in Triton
+
+def _wrong_10_4(tmp_path, *edits: tuple[str, str]):
+    return mutated(SOLUTION, "10.4", "my_pos_seq_lens_kernel", *edits, header=TRITON_HEADER, tmp_path=tmp_path)
+
+
+def test_10_4_solution_passes():
+    assert run_check_after_setup(SOLUTION, "10.4") is None
+
+
+_LOOP = "    for i in range(0, query_len, BLOCK):\n        j = i + tl.arange(0, BLOCK)"
+WRONG_10_4 = {
+    "reads the row's number as its slot": ((("num_computed = tl.load(num_computed_tokens_ptr + slot)",
+                                             "num_computed = tl.load(num_computed_tokens_ptr + b)"),),
+                                           ("it read num_computed_tokens[0], the row's number",
+                                            "idx_mapping[0] = 5")),
+    "no loop over a long query": (((_LOOP, "    for i in range(0, 1):\n        j = tl.arange(0, BLOCK)"),),
+                                  ("only its first 4 positions are right", "loop over it in steps of BLOCK")),
+    "positions from 0": ((("(num_computed + j).to(tl.int64)", "j.to(tl.int64)"),), ("they start from 0",)),
+    "a sequence length without the cache": ((("tl.store(seq_lens_ptr + b, num_computed + query_len)",
+                                              "tl.store(seq_lens_ptr + b, query_len)"),),
+                                            ("the sequence length counts the cached tokens too",)),
+    "a sequence length without the query": ((("tl.store(seq_lens_ptr + b, num_computed + query_len)",
+                                              "tl.store(seq_lens_ptr + b, num_computed)"),),
+                                            ("counts this step's query too",)),
+    "no mask": (((", mask=j < query_len)", ")"),), ("program 0 stored into positions[1, 2, 3]", "mask the stores")),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(WRONG_10_4))
+def test_10_4_mistakes_are_named(mistake, tmp_path):
+    edits, phrases = WRONG_10_4[mistake]
+    kernel = _wrong_10_4(tmp_path, *edits)
+    _assert_caught(run_check_after_setup(SOLUTION, "10.4", my_pos_seq_lens_kernel=kernel), *phrases)
+
+
+def test_10_4_a_kernel_that_calls_the_packages_fails(tmp_path):
+    kernel = _wrong_10_4(tmp_path, ("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n    _prepare_pos_seq_lens_kernel("
+                                    "positions_ptr, seq_lens_ptr, idx_mapping_ptr, query_start_loc_ptr, "
+                                    "num_computed_tokens_ptr, BLOCK)\n    return\n"))
+    kernel.fn.__globals__["_prepare_pos_seq_lens_kernel"] = __import__(
+        "kernels.input_batch", fromlist=["x"])._prepare_pos_seq_lens_kernel
+    _assert_caught(run_check_after_setup(SOLUTION, "10.4", my_pos_seq_lens_kernel=kernel),
+                   "Exercise 10.4 asks you to write this yourself", "_prepare_pos_seq_lens_kernel")
+
+
+def test_10_4_the_packages_kernel_under_another_name_fails():
+    from kernels.input_batch import _prepare_pos_seq_lens_kernel
+
+    _assert_caught(run_check_after_setup(SOLUTION, "10.4", my_pos_seq_lens_kernel=_prepare_pos_seq_lens_kernel),
+                   "Exercise 10.4 asks you to write this yourself")
+
+
+def test_10_4_a_python_function_is_refused():
+    def not_a_kernel(*args, **kwargs):
+        raise AssertionError("never launched")
+
+    _assert_caught(run_check_after_setup(SOLUTION, "10.4", my_pos_seq_lens_kernel=not_a_kernel),
+                   "must be a @triton.jit kernel")
+
+
+def test_10_4_the_cases_have_empty_rows_long_queries_and_rows_out_of_slot_order():
+    from minillm.course.exercises.ch10.input_kernel import PICTURE_SLOTS, _random_cases
+
+    cases = _random_cases()
+    lens = [np.diff(c["query_start_loc"].numpy()) for c, _ in cases]
+    assert sum(int((x == 0).sum()) for x in lens) >= 5
+    assert sum(int((x > block).sum()) for x, (_, block) in zip(lens, cases, strict=True)) >= 10
+    assert sum(c["idx_mapping"].tolist() != sorted(c["idx_mapping"].tolist()) for c, _ in cases) >= 10
+    assert PICTURE_SLOTS != sorted(PICTURE_SLOTS)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Challenge 10: reorder the persistent batch for the attention backend
 
 def _challenge_10(**replace) -> BaseException | None:
@@ -856,18 +958,20 @@ def test_the_exercises_have_a_heading_a_two_step_hint_and_a_check():
         # The check functions run the answer under the tripwire themselves (minillm/course/exercises/ch10, challenges/ch10).
         assert {"10.1": "check_update_states(update_states, ", "10.2": "check_placeholder_scheduler("
                 "PlaceholderScheduler, ", "10.3": "check_kv_per_rank(kv_heads_of_rank, num_blocks_per_rank)",
+                "10.4": "check_pos_seq_lens_kernel(my_pos_seq_lens_kernel)",
                 "C10": "check_reorder_batch(reorder_batch_to_split_decodes_and_prefills, "
                 }[number] in cells[i + 1].source
         found.append((number, stars))
-    assert found == [("10.1", "★★"), ("10.2", "★★"), ("10.3", "★"), ("C10", "★★★")]
+    assert found == [("10.1", "★★"), ("10.2", "★★"), ("10.3", "★"), ("10.4", "★★"), ("C10", "★★★")]
     intro = cells[0].source
-    assert re.search(r"Run time: about [\d.]+ (s|min) on a 2-core CPU", intro) and "Points: 5 " in intro
-    for number, stars in found[:3]:
+    assert re.search(r"Run time: about [\d.]+ (s|min) on a 2-core CPU", intro) and "Points: 7 " in intro
+    for number, stars in found[:4]:
         assert f"**Exercise {number} {stars}**" in intro
     assert "**Challenge 10 ★★★** (extra credit)" in intro and "**挑战 10 ★★★**" in intro
 
 
-ANSWER_FRAGMENTS = {"10.1": ("state.block_ids.extend", "batch.block_table.append_row(", "to_add", "getsource"),
+ANSWER_FRAGMENTS = {"10.1": ("requests_info.pop(rid", "overwrite=False)", "req_states.replace_tokens(slot", "getsource"),
+                    "10.4": ("tl.load(num_computed_tokens_ptr + slot)", "mask=j < query_len", "getsource"),
                     "10.2": ("num_output_placeholders += 1", "num_output_placeholders -= ", "getsource"),
                     "10.3": ("rank // replicas", "budget_bytes // block_bytes", "per_rank = ", "getsource"),
                     "C10": ("dest[start] = dest[d]", "goes_to[dest]", "np.argsort(regions", "getsource")}

@@ -118,19 +118,33 @@ def tiny():
 
 
 def test_10_1_update_states(monkeypatch, tiny):
-    """Every replayed step: your update_states, then ModelRunner._update_states on the reference's batch."""
-    from minillm.course.exercises.ch10 import persistent_batch
+    """Every replayed step: your update_states, then the runner's own update on the reference's slots."""
+    from minillm.course.exercises.ch10 import slots
     from tests.course.test_exercises_10 import HEADER, SOLUTION
 
     ns: dict = {}
     exec(compile(HEADER + exercise_source(SOLUTION, "10.1"), "<10.1>", "exec"), ns)  # noqa: S102
     order = ReferenceOrder()
-    monkeypatch.setattr(persistent_batch, "reference_update_states",
-                        order.reference(persistent_batch.reference_update_states))
+    monkeypatch.setattr(slots.Slots, "update", order.reference(slots.Slots.update))
     order.arm()
-    counts = persistent_batch.check_update_states(order.answer(ns["update_states"]), tiny, verbose=False)
+    counts = slots.check_update_states(order.answer(ns["update_states"]), tiny, verbose=False)
     order.assert_in_order(min_cases=counts["steps"])
     assert len(order.answers) == len(order.references) == counts["steps"]
+
+
+def test_10_4_pos_seq_lens_kernel(monkeypatch, tmp_path):
+    """Every batch: your kernel first, then prepare_pos_seq_lens_ref."""
+    from minillm.course.exercises.ch10 import input_kernel
+    from tests.course.exercise_helpers import mutated
+    from tests.course.test_exercises_10 import SOLUTION, TRITON_HEADER
+
+    kernel = mutated(SOLUTION, "10.4", "my_pos_seq_lens_kernel", header=TRITON_HEADER, tmp_path=tmp_path)
+    order = ReferenceOrder()
+    monkeypatch.setattr(input_kernel, "_want", order.reference(input_kernel._want))
+    monkeypatch.setattr(input_kernel, "_launch", order.answer(input_kernel._launch))
+    order.arm()
+    counts = input_kernel.check_pos_seq_lens_kernel(kernel, verbose=False)
+    order.assert_in_order(min_cases=counts["cases"])
 
 
 def test_10_2_placeholders(monkeypatch, tiny):

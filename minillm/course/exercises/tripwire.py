@@ -83,12 +83,16 @@ BUILDS: dict[str, tuple[str, ...]] = {
             "minillm.model.parallel_layers:RowParallelLinear.__init__",
             "minillm.model.llama_tp:TensorParallelMLP.__init__"),
     "9.2": ("minillm.distributed.kv_transfer.prompt_connector:PromptKVConnector.get_num_new_matched_tokens",),
-    "10.1": ("minillm.course.persistent_batch:update_states",),
+    "10.1": ("minillm.worker.model_runner:ModelRunner.finish_requests",
+             "minillm.worker.model_runner:ModelRunner.add_requests", "minillm.worker.model_runner:ModelRunner._add",
+             "minillm.worker.model_runner:ModelRunner.update_requests"),
     "10.2": ("minillm.core.sched.async_scheduler:AsyncScheduler._update_after_schedule",
              "minillm.core.sched.async_scheduler:AsyncScheduler._update_request_with_output"),
     "10.3": ("minillm.model.parallel_layers:num_kv_heads_per_rank",
              "minillm.model.parallel_layers:QKVParallelLinear.__init__", "minillm.model.llama_tp:shard_summary",
              "minillm.engine.arg_utils:EngineArgs.resolved_num_gpu_blocks"),
+    "10.4": ("kernels.input_batch:_prepare_pos_seq_lens_kernel", "kernels.input_batch:prepare_pos_seq_lens",
+             "kernels.input_batch:prepare_pos_seq_lens_ref"),
 }
 
 # Where copies of a function's name are looked for, besides the learner's namespaces.

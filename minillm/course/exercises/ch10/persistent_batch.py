@@ -1,39 +1,30 @@
-"""Exercise 10.1's check: the learner's ``update_states`` replays a real engine run's plans beside the package's.
+"""Chapter 10's recorded engine runs, and V1's persistent batch replaying them (for challenge 10).
 
-A plan (``SchedulerOutput``) is all that reaches the model runner, so the check records the plans of an
-:class:`~minillm.engine.core.EngineCore` on the tiny model (pickled before each step, as they would cross a process
-boundary, in the order the runner executes them) and the tokens each step sampled. Then two persistent batches
-replay them, one updated by the learner's function, one by the course's
-:func:`minillm.course.persistent_batch.update_states` (V1's ``_update_states``); after each step both get the
-step's sampled tokens and context lengths as the runner writes them after sampling (:func:`apply_sampled`).
-After every update the two must agree on
-
-- the request states (``requests``: which ids, and each one's ``token_ids``, ``block_ids``, ``num_computed_tokens``,
-  ``num_prompt_tokens`` and whether it has its own generator);
-- the batch: which requests it holds, no holes, the slot order, and per slot its tokens, context length, prompt
-  length, block-table row and the draft tokens written right after its tokens.
+A plan (``SchedulerOutput``) is all that reaches the model runner, so the checks record the plans of an
+:class:`~minillm.engine.core.EngineCore` on the tiny model (:func:`record_plans`: pickled before each step, as they
+would cross a process boundary, in the order the runner executes them) and the tokens each step sampled. Exercise
+10.1's check (:mod:`minillm.course.exercises.ch10.slots`) replays them on Model Runner V2's slots; challenge 10's
+replays them on V1's persistent batch, updated by the course's :func:`minillm.course.persistent_batch.update_states`
+(:func:`reference_update_states`), with the sampled tokens written back as V1's runner writes them
+(:func:`apply_sampled`).
 
 The runs (:data:`SCENARIOS`) make the scheduler go through every case: new requests, chunked prefill (a budget of 10
-tokens, chunks of 5), n-gram drafts (one of them on a request that ``condense`` moves), requests finishing mid-batch
-(holes that ``condense`` fills), preemption and resumption (KV caches of 19 and 21 usable blocks of 4 tokens), a
-running request left out by the budget, a request aborted and sent again under the same id (finished and new in one
-plan), with async scheduling, a request preempted while a step was in flight for it, whose tokens the scheduler
-resends without that step's token, a failed KV load, after which the scheduler resends the tokens of a request
-that still holds its slot, and every running request preempted between two steps (:data:`RESETS`), so that the next
-plan resumes requests that still hold their slots.
+tokens, chunks of 5), n-gram drafts, requests finishing mid-batch (slots freed and taken again), preemption and
+resumption (KV caches of 19 and 21 usable blocks of 4 tokens), a running request left out by the budget, a request
+aborted and sent again under the same id (finished and new in one plan), with async scheduling, a request preempted
+while a step was in flight for it, whose tokens the scheduler resends without that step's token, a failed KV load,
+after which the scheduler resends the tokens of a request that still holds its slot, and every running request
+preempted between two steps (:data:`RESETS`), so that the next plan resumes requests that still hold their slots.
 """
 from __future__ import annotations
 
 import pickle
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from minillm.course.exercises.ch10.tiny import tiny_llama
 from minillm.course.persistent_batch import InputBatch, update_states
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.core import EngineCore
@@ -41,8 +32,6 @@ from minillm.model.llama import LlamaForCausalLM
 from minillm.request import Request
 from minillm.sampling_params import SamplingParams
 from minillm.worker.model_runner import CachedRequestState
-
-UpdateStates = Callable[[InputBatch, dict[str, CachedRequestState], SchedulerOutput], None]
 
 
 @dataclass
@@ -69,6 +58,7 @@ class Recording:
     max_num_reqs: int
     max_model_len: int
     block_size: int
+    num_speculative_steps: int = 0
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -174,7 +164,8 @@ def record_plans(model: LlamaForCausalLM, name: str, engine_args: dict[str, Any]
                 raise RuntimeError(f"recording {name!r}: the engine made no progress in 1000 steps")
     finally:
         core.shutdown()
-    return Recording(name, steps, core.scheduler_config.max_num_seqs, core.max_model_len, args.block_size)
+    return Recording(name, steps, core.scheduler_config.max_num_seqs, core.max_model_len, args.block_size,
+                     runner.req_states.num_speculative_steps)
 
 
 # -- the reference and the runner's own writes after sampling ------------------------------------------------------
@@ -212,247 +203,3 @@ def describe_plan(so: SchedulerOutput) -> str:
     if so.scheduled_spec_decode_tokens:
         parts.append(f"drafts {dict(so.scheduled_spec_decode_tokens)}")
     return "; ".join(parts)
-
-
-def _tokens_differ(got: list[int], want: list[int]) -> str:
-    """``got`` against ``want`` in a few words, long lists shortened to where they part."""
-    if len(got) > len(want) and got[:len(want)] == want:
-        return f"holds the expected {len(want)} tokens and {len(got) - len(want)} more, {got[len(want):]}"
-    if len(got) < len(want) and want[:len(got)] == got:
-        return f"holds {len(got)} tokens, the expected {len(want)} without the last {want[len(got):]}"
-    i = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-    return (f"holds {len(got)} tokens, expected {len(want)}; from position {i} on it holds {got[i:i + 8]}, "
-            f"expected {want[i:i + 8]}")
-
-
-def _cached_index(so: SchedulerOutput, rid: str) -> int | None:
-    ids = so.scheduled_cached_reqs.req_ids
-    return ids.index(rid) if rid in ids else None
-
-
-def _states_problem(mine: dict[str, CachedRequestState], ref: dict[str, CachedRequestState],
-                    so: SchedulerOutput, before: dict[str, list[int]]) -> str | None:
-    """What differs between the learner's request states and the reference's (``before``: each reference state's
-    block ids before this step)."""
-    if not isinstance(mine, dict):
-        return f"requests must stay the dict it was given, now it is a {type(mine).__name__}"
-    new_ids = {n.req_id for n in so.scheduled_new_reqs}
-    for rid in sorted(set(mine) - set(ref)):
-        if rid in so.finished_req_ids:
-            return (f"request {rid!r} is in scheduler_output.finished_req_ids but still in requests: a finished "
-                    f"request leaves both requests and the batch, first thing in the step")
-        return f"requests holds {rid!r}, which the reference does not (it was never scheduled as new)"
-    for rid in sorted(set(ref) - set(mine)):
-        if rid in new_ids:
-            return (f"request {rid!r} is in scheduled_new_reqs but not in requests: give every new request a "
-                    f"CachedRequestState in requests")
-        return (f"request {rid!r} is missing from requests. Only finished requests leave it: a request that is not "
-                f"scheduled in a step (preempted, or left out by the token budget) leaves the batch but keeps its "
-                f"state, because it comes back later and the scheduler then sends only what changed")
-    for rid, want in ref.items():
-        got = mine[rid]
-        if not isinstance(got, CachedRequestState):
-            return f"requests[{rid!r}] must be a CachedRequestState, got {type(got).__name__}"
-        i = _cached_index(so, rid)
-        resumed = rid in so.scheduled_cached_reqs.resumed_req_ids
-        if got.num_prompt_tokens != want.num_prompt_tokens:
-            return f"requests[{rid!r}].num_prompt_tokens is {got.num_prompt_tokens}, expected {want.num_prompt_tokens}"
-        if list(got.block_ids) != want.block_ids:
-            new_blocks = so.scheduled_cached_reqs.new_block_ids[i] if i is not None else []
-            why = ""
-            if resumed and list(got.block_ids) == before.get(rid, []) + new_blocks:
-                why = (f": {rid!r} resumes after a preemption (it is in scheduled_cached_reqs.resumed_req_ids). Its "
-                       f"old blocks were freed when it was preempted, and new_block_ids is its whole new block list: "
-                       f"replace its block_ids with it, do not append")
-            elif i is not None and not resumed and list(got.block_ids) == new_blocks:
-                why = (f": {rid!r} is still running, so new_block_ids holds only the blocks it needs now: append "
-                       f"them to the ones it has")
-            elif i is not None and not resumed and list(got.block_ids) == before.get(rid):
-                why = f": append scheduled_cached_reqs.new_block_ids[{i}] ({new_blocks}) to its block_ids"
-            return f"requests[{rid!r}].block_ids is {list(got.block_ids)}, expected {want.block_ids}{why}"
-        if got.num_computed_tokens != want.num_computed_tokens:
-            why = (f": scheduled_cached_reqs.num_computed_tokens[{i}] is where its tokens start in this step"
-                   if i is not None else "")
-            return (f"requests[{rid!r}].num_computed_tokens is {got.num_computed_tokens}, expected "
-                    f"{want.num_computed_tokens}{why}")
-        if list(got.token_ids) != want.token_ids:
-            why = (f": the scheduler resent its tokens (scheduled_cached_reqs.all_token_ids[{rid!r}]): replace its "
-                   f"token_ids with them" if rid in so.scheduled_cached_reqs.all_token_ids else "")
-            return f"requests[{rid!r}].token_ids {_tokens_differ(list(got.token_ids), want.token_ids)}{why}"
-        if (got.generator is None) != (want.generator is None):
-            return (f"requests[{rid!r}].generator is {'None' if got.generator is None else 'a generator'}, expected "
-                    + ("make_generator(seed): its sampling params have a seed (SamplingType.RANDOM_SEED), and it "
-                       "draws from its own generator" if want.generator is not None else
-                       "None: only a seeded request (SamplingType.RANDOM_SEED) gets a generator"))
-    return None
-
-
-def _resumed_in_slot(so: SchedulerOutput, slots_before: dict[str, int]) -> str | None:
-    """The explanation for requests this plan resumes while they still hold a slot, or ``None`` if it has none."""
-    ids = sorted(so.scheduled_cached_reqs.resumed_req_ids & slots_before.keys())
-    if not ids:
-        return None
-    return (f"{ids} resume in this plan while they still hold their slots (every running request was preempted "
-            f"between this step and the one before): a resumed request leaves the batch with the unscheduled ones "
-            f"and comes back whole from its state (batch.add_request), as its old blocks and tokens are gone")
-
-
-def _slot_summary(batch: InputBatch) -> list[str | None]:
-    return list(batch.req_ids)
-
-
-def _batch_problem(mine: InputBatch, ref: InputBatch, so: SchedulerOutput,
-                   slots_before: dict[str, int]) -> str | None:
-    """What differs between the learner's batch and the reference's after the update."""
-    scheduled = set(so.num_scheduled_tokens)
-    for rid in sorted(set(mine.req_id_to_index) - set(ref.req_id_to_index)):
-        if rid in so.finished_req_ids:
-            return f"the batch still holds {rid!r}, which finished (scheduler_output.finished_req_ids): remove it"
-        if rid not in scheduled:
-            return (f"the batch still holds {rid!r}, which is not scheduled in this step: a request the step does not "
-                    f"run leaves the batch (batch.remove_request) and keeps its state in requests")
-        return f"the batch holds {rid!r}, which the reference's does not"
-    for rid in sorted(set(ref.req_id_to_index) - set(mine.req_id_to_index)):
-        if rid in {n.req_id for n in so.scheduled_new_reqs}:
-            return f"{rid!r} is a new request of this step but not in the batch: batch.add_request(its state)"
-        return (f"{rid!r} is scheduled in this step but not in the batch. A cached request that is not in the batch "
-                f"(left out of an earlier step, or resumed after a preemption) comes back whole from its state: "
-                f"batch.add_request(requests[{rid!r}])")
-    holes = [i for i, r in enumerate(mine.req_ids) if r is None]
-    if holes:
-        return (f"the batch has holes at slots {holes} (slots: {_slot_summary(mine)}): once the removals and "
-                f"additions are done, call batch.condense(), so the requests sit in slots 0 .. num_reqs - 1 "
-                f"(the step's flat batch is gathered from slots 0 .. num_reqs - 1)")
-    if _slot_summary(mine) != _slot_summary(ref):
-        resumed = _resumed_in_slot(so, slots_before)
-        if resumed and any(mine.req_id_to_index.get(r) == i for r, i in slots_before.items()
-                           if r in so.scheduled_cached_reqs.resumed_req_ids):
-            return f"the slots hold {_slot_summary(mine)}, the reference's {_slot_summary(ref)}: {resumed}"
-        return (f"the slots hold {_slot_summary(mine)}, the reference's {_slot_summary(ref)} (before the step: "
-                f"{slots_before}). The order is vLLM's: remove the finished requests, then the ones not scheduled "
-                f"now (resumed ones too); add the new requests in scheduled_new_reqs order, then the cached ones "
-                f"that are not in the batch in scheduled_cached_reqs order (add_request fills the lowest hole); then "
-                f"condense() once (it moves the last request into the lowest hole)")
-    for slot, held in enumerate(ref.req_ids):
-        n = int(ref.num_tokens_no_spec[slot])
-        got_n = int(mine.num_tokens_no_spec[slot])
-        if got_n != n or mine.token_ids_cpu[slot, :n].tolist() != ref.token_ids_cpu[slot, :n].tolist():
-            why = (": the scheduler resent its tokens: write them into its slot (batch.set_token_ids)"
-                   if held in so.scheduled_cached_reqs.all_token_ids else "")
-            got_tokens, want_tokens = mine.token_ids_cpu[slot, :got_n].tolist(), ref.token_ids_cpu[slot, :n].tolist()
-            return f"slot {slot} ({held!r}) {_tokens_differ(got_tokens, want_tokens)}{why}"
-        if int(mine.num_prompt_tokens[slot]) != int(ref.num_prompt_tokens[slot]):
-            return (f"slot {slot} ({held!r}): num_prompt_tokens is {int(mine.num_prompt_tokens[slot])}, expected "
-                    f"{int(ref.num_prompt_tokens[slot])}")
-        if int(mine.num_computed_tokens_cpu[slot]) != int(ref.num_computed_tokens_cpu[slot]):
-            return (f"slot {slot} ({held!r}): num_computed_tokens_cpu is {int(mine.num_computed_tokens_cpu[slot])}, "
-                    f"expected {int(ref.num_computed_tokens_cpu[slot])}: a request that stays in its slot needs its "
-                    f"context length written there too (batch.num_computed_tokens_cpu[slot])")
-        k = int(ref.block_table.num_blocks_per_row[slot])
-        got_k = int(mine.block_table.num_blocks_per_row[slot])
-        got_row = mine.block_table.block_table[slot, :got_k].tolist()
-        if got_row != ref.block_table.block_table[slot, :k].tolist():
-            if held in so.scheduled_cached_reqs.resumed_req_ids and held in slots_before:
-                return (f"slot {slot} ({held!r}): its block-table row holds {got_row}, expected "
-                        f"{ref.block_table.block_table[slot, :k].tolist()}: {_resumed_in_slot(so, slots_before)}")
-            return (f"slot {slot} ({held!r}): its block-table row holds {got_row}, expected "
-                    f"{ref.block_table.block_table[slot, :k].tolist()}: a request that stays in its slot gets its new "
-                    f"blocks appended to its row (batch.block_table.append_row(new_block_ids, slot))")
-    for rid, drafts in so.scheduled_spec_decode_tokens.items():
-        slot = ref.req_id_to_index[rid]
-        n = int(ref.num_tokens_no_spec[slot])
-        got = mine.token_ids_cpu[slot, n:n + len(drafts)].tolist()
-        if got != list(drafts):
-            return (f"{rid!r} verifies the draft tokens {list(drafts)} in this step, but its slot holds {got} right "
-                    f"after its {n} tokens: the step's input ids are gathered from there, so write them with "
-                    f"batch.update_req_spec_token_ids({rid!r}, drafts)")
-    return None
-
-
-def _count(counts: dict[str, int], so: SchedulerOutput, previous: set[str], slots_before: dict[str, int],
-           ref: InputBatch) -> None:
-    cached = so.scheduled_cached_reqs
-    left_out = previous - set(so.num_scheduled_tokens) - so.finished_req_ids - so.preempted_req_ids
-    # Tokens resent to a request that kept its slot (a failed KV load rolled it back): written over the slot's.
-    resent_in_slot = [r for r in cached.all_token_ids if r in slots_before and r not in cached.resumed_req_ids]
-    # Resumed in the plan right after one they ran in (every running request was preempted between the two).
-    resumed_in_slot = [r for r in cached.resumed_req_ids if r in slots_before]
-    for key, n in (("new", len(so.scheduled_new_reqs)), ("finished", len(so.finished_req_ids)),
-                   ("preempted", len(so.preempted_req_ids)), ("resumed", len(cached.resumed_req_ids)),
-                   ("left out by the budget", len(left_out)), ("with drafts", len(so.scheduled_spec_decode_tokens)),
-                   ("moved by condense", sum(slots_before.get(r, i) != i for r, i in ref.req_id_to_index.items())),
-                   ("resent to their slot", len(resent_in_slot)), ("resumed from their slot", len(resumed_in_slot))):
-        counts[key] = counts.get(key, 0) + n
-
-
-def replay(update_states: UpdateStates, recording: Recording) -> dict[str, int]:
-    """Replay ``recording`` with ``update_states`` (already guarded) and the reference; raise ``AssertionError`` at
-    the first step where they differ. Returns how many requests were new, finished, preempted, ... over the run."""
-    sizes = (recording.max_num_reqs, recording.max_model_len, recording.block_size)
-    mine_batch, ref_batch = InputBatch(*sizes), InputBatch(*sizes)
-    mine_reqs: dict[str, CachedRequestState] = {}
-    ref_reqs: dict[str, CachedRequestState] = {}
-    counts: dict[str, int] = {"steps": len(recording.steps)}
-    previous: set[str] = set()
-    total = len(recording.steps)
-    for k, step in enumerate(recording.steps):
-        ref_so, mine_so = pickle.loads(step.plan), pickle.loads(step.plan)  # nothing shared between the two
-        where = f"In run {recording.name!r}, step {k} of {total} ({describe_plan(ref_so)})"
-        slots_before = dict(ref_batch.req_id_to_index)
-        blocks_before = {rid: list(s.block_ids) for rid, s in ref_reqs.items()}
-        # The learner's update first: the reference's result of this step does not exist while it runs.
-        try:
-            update_states(mine_batch, mine_reqs, mine_so)
-        except (NotImplementedError, AssertionError):  # a stub, or a call of the package's own update
-            raise
-        except Exception as e:  # a crash is a wrong answer: say where, and what the plan held
-            reference_update_states(ref_batch, ref_reqs, ref_so)
-            kept = [r for r in ref_so.scheduled_cached_reqs.resumed_req_ids
-                    if r in slots_before and mine_batch.req_id_to_index.get(r) == slots_before[r]]
-            hint = (_resumed_in_slot(ref_so, slots_before) if kept else None) or _states_problem(
-                mine_reqs, ref_reqs, ref_so, blocks_before)
-            both = {n.req_id for n in ref_so.scheduled_new_reqs} & ref_so.finished_req_ids
-            if both and "already in the batch" in str(e):
-                hint = (f"{sorted(both)} finished and is new in this same plan (aborted, then sent again under the "
-                        f"same id): remove the finished requests (from requests and from the batch) first, then add "
-                        f"the new ones")
-            raise AssertionError(f"{where}: your update_states raised {type(e).__name__}: {e}"
-                                 + (f". {hint[0].upper()}{hint[1:]}" if hint else "")) from e
-        reference_update_states(ref_batch, ref_reqs, ref_so)
-        problem = (_states_problem(mine_reqs, ref_reqs, ref_so, blocks_before)
-                   or _batch_problem(mine_batch, ref_batch, ref_so, slots_before))
-        if problem:
-            raise AssertionError(f"{where}: {problem}.")
-        _count(counts, ref_so, previous, slots_before, ref_batch)
-        previous = set(ref_so.num_scheduled_tokens)
-        apply_sampled(ref_batch, ref_reqs, ref_so, step)
-        apply_sampled(mine_batch, mine_reqs, mine_so, step)
-    return counts
-
-
-def check_update_states(update_states: UpdateStates, model: LlamaForCausalLM | None = None,
-                        verbose: bool = True) -> dict[str, int]:
-    """Exercise 10.1's check: ``update_states`` against ``minillm.course.persistent_batch.update_states`` on every
-    run of :data:`SCENARIOS`, under the tripwire (calling the package's ``update_states`` raises).
-
-    Returns:
-        what the runs held, summed (steps, new, finished, preempted, resumed, left out by the budget, with drafts,
-        moved by condense, resent to their slot, resumed from their slot); printed when ``verbose``.
-    """
-    from minillm.course.exercises.tripwire import guard
-
-    learner = guard("10.1", update_states)
-    model = model if model is not None else tiny_llama()
-    total: Counter[str] = Counter()
-    for name, (engine_args, arrivals, aborts, async_scheduling) in SCENARIOS.items():
-        recording = record_plans(model, name, engine_args, arrivals, aborts, async_scheduling, RESETS.get(name, ()))
-        total.update(replay(learner, recording))
-    if verbose:
-        print(f"Your update_states agrees with the package's update_states after each of the {total['steps']} steps "
-              f"of {len(SCENARIOS)} engine runs. Their plans held {total['new']} new requests, {total['finished']} "
-              f"finished, {total['preempted']} preempted, {total['resumed']} resumed, "
-              f"{total['left out by the budget']} left out by the budget, {total['with drafts']} with draft tokens "
-              f"and {total['resent to their slot']} whose tokens were resent to the slot they kept; "
-              f"{total['resumed from their slot']} resumed while still in a slot; condense moved "
-              f"{total['moved by condense']} requests.")
-    return total

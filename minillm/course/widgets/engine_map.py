@@ -29,7 +29,7 @@ CHAPTERS: dict[str, str] = {
     "07": "context parallelism across ranks",
     "08": "capstone: your parts in the engine via EngineParts",
     "09": "beyond one engine: disaggregated prefill with a KV connector, tensor parallelism",
-    "10": "the engine as vLLM runs it: the engine-core process and its client, async scheduling, persistent batch",
+    "10": "the engine as vLLM runs it: the engine-core process and its client, async scheduling, request slots",
 }
 
 # One light fill and one edge colour per chapter (a colour-blind-safe palette, lightened for the fills).

@@ -5,9 +5,13 @@ tokenizing, detokenizing and stop strings stay with the front end. :meth:`Engine
 updates in turn; :meth:`EngineCore.step_with_batch_queue` (async scheduling) plans step N+1 and hands it to the
 executor before it waits for step N. :class:`EngineCoreProc` is the same core in its own process: a busy loop on the
 main thread, an input and an output thread for the two ZeroMQ sockets, a handshake first, Ctrl-C ignored (the client
-handles it), and an exit when its parent dies or a step fails (the client hears ``EngineDeadError``).
+handles it), and an exit when its parent dies or a step fails (the client hears ``EngineDeadError``). At start-up the
+core reads only the model's config: its executor's worker(s) load the weights (each tensor-parallel rank its own
+shard), report their KV cache spec and bytes, and allocate the smallest count over the ranks
+(``EngineCore._initialize_kv_caches``).
 
-vLLM counterpart: ``vllm/v1/engine/core.py`` (``EngineCore.step``, ``step_with_batch_queue``, ``EngineCoreProc``:
+vLLM counterpart: ``vllm/v1/engine/core.py`` (``EngineCore.__init__``, ``_initialize_kv_caches``,
+``EngineCore.step``, ``step_with_batch_queue``, ``EngineCoreProc``:
 ``run_busy_loop``, ``process_input_sockets``, ``process_output_sockets``); vLLM adds data and pipeline parallelism,
 structured output, KV events and sleep mode.
 """

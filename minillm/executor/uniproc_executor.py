@@ -7,9 +7,9 @@ plans the next. Given ``model_thread`` (the engine-core process gives the thread
 runs there, the worker's construction and loading included: a second thread running ops brings a second OpenMP team
 onto the same cores.
 
-vLLM counterpart: ``vllm/v1/executor/uniproc_executor.py:UniProcExecutor`` (``_init_executor``: ``init_worker``,
-``init_device``, ``load_model``), which has no thread: its GPU runner only
-launches the step's kernels and returns, and ``non_block`` waits on the device-to-host copy instead.
+vLLM counterpart: ``vllm/v1/executor/uniproc_executor.py:UniProcExecutor`` (its ``_init_executor`` has the
+``WorkerWrapperBase`` build the worker, then calls ``init_device`` and ``load_model``), which has no thread: its GPU
+runner only launches the step's kernels and returns, and ``non_block`` waits on the device-to-host copy instead.
 """
 from __future__ import annotations
 

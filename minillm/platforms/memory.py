@@ -3,9 +3,11 @@
 Both the engine's arguments (``EngineArgs.resolved_num_gpu_blocks``) and each worker's start-up report
 (``Worker.determine_available_memory``) read them, so the course's arithmetic and the engine's start-up agree.
 
-vLLM counterpart: ``vllm/v1/worker/cpu_worker.py:CPUWorker.determine_available_memory`` (the node's free memory,
-``VLLM_CPU_KVCACHE_SPACE``) and ``vllm/utils/mem_utils.py`` (``MemorySnapshot``); vLLM's default on a CPU is 4 GiB
-(``VLLM_CPU_KVCACHE_SPACE`` unset), on a GPU what a profiling run leaves of ``gpu_memory_utilization``.
+vLLM counterpart: ``vllm/v1/worker/cpu_worker.py:CPUWorker.determine_available_memory`` (the cache config's
+``kv_cache_memory_bytes``, which ``VLLM_CPU_KVCACHE_SPACE`` sets in GiB,
+``vllm/platforms/cpu.py:CpuPlatform.check_and_update_config``; without it, the share of the node's memory
+``gpu_memory_utilization`` reserves, less what the worker already uses) and, on a GPU,
+``vllm/v1/worker/gpu_worker.py:Worker.determine_available_memory`` (what a profiling run leaves).
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.parts import EngineParts
 from minillm.executor.abstract import Executor
 from minillm.executor.multiproc_executor import MultiprocExecutor
-from minillm.executor.uniproc_executor import UniProcExecutor
+from minillm.executor.uniproc_executor import UniProcExecutor, mark_model_thread
 from minillm.loaders.sharded_loader import TemporaryCheckpoint
 from minillm.model.llama import LlamaForCausalLM
 from minillm.model.llama_tp import check_tensor_parallel_config
@@ -625,6 +625,7 @@ def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_sch
     core: EngineCoreProc | None = None
     try:
         def build() -> EngineCoreProc:
+            mark_model_thread(model_thread)  # the worker is built and loads here: its executor must not wait on us
             if num_threads is not None:
                 torch.set_num_threads(num_threads)
             model = None  # the worker(s) load engine_args.model

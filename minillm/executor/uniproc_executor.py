@@ -24,6 +24,14 @@ from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.executor.abstract import Executor
 from minillm.worker.worker import Worker
 
+_local = threading.local()
+
+
+def mark_model_thread(model_thread: ThreadPoolExecutor) -> None:
+    """Record that the calling thread is ``model_thread``'s: a :class:`UniProcExecutor` built on it (the engine-core
+    process builds its engine core there) then runs its calls inline instead of waiting on itself."""
+    _local.pool = model_thread
+
 
 class UniProcExecutor(Executor):
     """Runs steps on one worker, in this process.
@@ -114,10 +122,10 @@ class UniProcExecutor(Executor):
         return [self._call(partial(fn, *args, **(kwargs or {})))]
 
     def _call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on the model thread, waiting for it (here when there is none, or this is it: the engine-core
-        process builds the engine core on that thread)."""
+        """``fn()`` on the model thread, waiting for it; here when there is none, or when this is it
+        (:func:`mark_model_thread`: the engine-core process builds the engine core on that thread)."""
         thread = self._model_thread
-        if thread is None or threading.current_thread() in getattr(thread, "_threads", ()):
+        if thread is None or getattr(_local, "pool", None) is thread:
             return fn()
         return thread.submit(fn).result()
 

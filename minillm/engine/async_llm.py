@@ -151,7 +151,8 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool | None = None) -> AsyncLLM:
         """The engine ``engine_args`` describe; ``multiprocess_mode`` ``None``: ``MINILLM_ENABLE_V1_MULTIPROCESSING``
-        (default on: the core loads the model in its own process, this one loads only the tokenizer)."""
+        (default on: the core runs in its own process, where its worker(s) load the model; this one loads only the
+        tokenizer)."""
         if multiprocess_mode is None:
             multiprocess_mode = multiprocessing_enabled()
         model = None  # the engine core's worker(s) load it, in its process or in this one

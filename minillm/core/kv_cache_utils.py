@@ -5,8 +5,11 @@ takes them back. Per block: ``ref_cnt`` (requests using it), ``block_hash`` (set
 free, its place in the :class:`FreeKVCacheBlockQueue`. Hashes chain, ``hash(block i) = H(hash(block i-1), its token
 ids, extra keys)``, so equal hashes mean equal prefixes.
 
+At start-up, :func:`get_kv_cache_configs` turns the workers' reports into the number of blocks every worker allocates.
+
 vLLM counterpart: ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``, ``FreeKVCacheBlockQueue``,
-``hash_block_tokens``); ``PrefixCacheStats`` lives in ``vllm/v1/metrics/stats.py``.
+``hash_block_tokens``); ``PrefixCacheStats`` lives in ``vllm/v1/metrics/stats.py``, ``get_kv_cache_configs`` in
+``vllm/v1/core/kv_cache_planning.py``.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import hashlib
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from minillm.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 #: A block's hash: 32 bytes of SHA-256. Bytes (not Python's ``hash``) so it is the same in every process and run.
 BlockHash = bytes
@@ -254,3 +259,48 @@ class PrefixCacheStats:
     def reset(self) -> None:
         self.requests = self.queries = self.hits = 0
         self.preempted_requests = self.preempted_queries = self.preempted_hits = 0
+
+
+def get_kv_cache_configs(kv_cache_specs: Sequence[dict[str, FullAttentionSpec]], available_memory: Sequence[int],
+                         num_gpu_blocks_override: int | None = None) -> list[KVCacheConfig]:
+    """One :class:`~minillm.kv_cache_interface.KVCacheConfig` per worker, from what each reported at start-up.
+
+    Each worker's blocks are its bytes over its bytes per block (the sum of its layers' ``page_size_bytes``); then
+    every worker gets the smallest count, since one block table serves every rank. ``num_gpu_blocks_override``
+    replaces each worker's bytes by that many blocks of its own, as vLLM does.
+
+    Args:
+        kv_cache_specs: per worker (rank order), layer name -> :class:`~minillm.kv_cache_interface.FullAttentionSpec`.
+        available_memory: per worker, the bytes it can give its KV cache (``Worker.determine_available_memory``).
+        num_gpu_blocks_override: ``EngineArgs.num_gpu_blocks``; ``None``: from the bytes.
+
+    Returns:
+        ``[KVCacheConfig(num_blocks=min over workers, kv_cache_spec=worker's)]``, rank order.
+
+    Raises:
+        ValueError: the lists differ in length or are empty, or a worker's bytes hold fewer than 2 blocks (the reserved
+            null block and one for tokens): the message names the rank and its numbers (vLLM's
+            ``_check_enough_kv_cache_memory``: "No available memory for the cache blocks").
+
+    vLLM counterpart: ``vllm/v1/core/kv_cache_planning.py:get_kv_cache_configs`` (in v0.33.0 it moved there from
+    ``kv_cache_utils.py``), which also groups layers of different kinds and fits ``max_model_len`` to the memory.
+    """
+    if len(kv_cache_specs) != len(available_memory) or not kv_cache_specs:
+        raise ValueError(f"one KV cache spec and one memory report per worker, got {len(kv_cache_specs)} specs and "
+                         f"{len(available_memory)} reports")
+    num_blocks: list[int] = []
+    for rank, (specs, available) in enumerate(zip(kv_cache_specs, available_memory, strict=True)):
+        bytes_per_block = sum(spec.page_size_bytes for spec in specs.values())
+        if bytes_per_block <= 0:
+            raise ValueError(f"worker rank {rank} reports no KV cache layers")
+        if num_gpu_blocks_override is not None:
+            available = num_gpu_blocks_override * bytes_per_block
+        if available // bytes_per_block < 2:
+            raise ValueError(f"No available memory for the cache blocks: worker rank {rank} can give its KV cache "
+                             f"{available:,} bytes, and one block of its cache ({len(specs)} layers) takes "
+                             f"{bytes_per_block:,} bytes; it needs at least 2 blocks ({2 * bytes_per_block:,} bytes: "
+                             f"the reserved null block and one for tokens). Raise kv_cache_memory_bytes or "
+                             f"kv_cache_memory_fraction, or lower block_size.")
+        num_blocks.append(available // bytes_per_block)
+    smallest = min(num_blocks)
+    return [KVCacheConfig(num_blocks=smallest, kv_cache_spec=dict(specs)) for specs in kv_cache_specs]

@@ -24,12 +24,12 @@ from minillm.model.llama_tp import check_tensor_parallel_config
 from minillm.model.parallel_layers import num_kv_heads_per_rank
 from minillm.platforms.cpu import DtypeChoice
 from minillm.platforms.dtype import parse_dtype, resolve_dtype  # noqa: F401 (re-exported)
+from minillm.platforms.memory import DEFAULT_KV_CACHE_BYTES, available_memory_bytes  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# Used when neither num_gpu_blocks, kv_cache_memory_bytes nor kv_cache_memory_fraction is given.
-DEFAULT_KV_CACHE_BYTES = 512 * 1024 ** 2
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -37,21 +37,6 @@ def _is_int(x: object) -> bool:
 def default_device() -> str:
     """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def available_memory_bytes(device: str) -> int:
-    """Free memory of the device: ``torch.cuda.mem_get_info`` on a GPU, ``MemAvailable`` of ``/proc/meminfo``
-    on a CPU (8 GiB if that file is missing, e.g. on macOS)."""
-    if device.startswith("cuda"):
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 1024 ** 3
 
 
 EXECUTOR_BACKENDS = ("uni", "mp")
@@ -277,6 +262,14 @@ class EngineArgs:
         model = load_model(self.model, dtype=self.resolved_dtype(), device=self.resolved_device(), tokenizer=False)
         assert isinstance(model, LlamaForCausalLM)
         return model
+
+    def create_model_config(self) -> LlamaConfig:
+        """The :class:`~minillm.config.LlamaConfig` of ``model``, read without its weights (a directory's
+        ``config.json``, a GGUF file's metadata): what the engine core needs when its workers load the model."""
+        from minillm.loaders.model_path import default_model_path
+        from minillm.loaders.sharded_loader import read_model_config
+
+        return read_model_config(default_model_path() if self.model is None else self.model)
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The tokenizer ``tokenizer`` names, else the model's own (``None`` for a directory without one); loads no

@@ -130,9 +130,6 @@ class AsyncLLM:
         args = engine_args if engine_args is not None else EngineArgs()
         if not isinstance(args, EngineArgs):
             raise ValueError(f"engine_args must be an EngineArgs, got {type(args).__name__}")
-        if model is None and not multiprocess_mode:
-            raise ValueError("give a loaded model, or multiprocess_mode=True to have the engine core load "
-                             "engine_args.model (AsyncLLM.from_engine_args does)")
         if multiprocess_mode and parts is not None and parts.replaced():
             raise ValueError(f"replaced engine parts ({parts.replaced()}) run in-process only: "
                              f"multiprocess_mode=False")
@@ -154,10 +151,11 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool | None = None) -> AsyncLLM:
         """The engine ``engine_args`` describe; ``multiprocess_mode`` ``None``: ``MINILLM_ENABLE_V1_MULTIPROCESSING``
-        (default on: the core loads the model in its own process, this one loads only the tokenizer)."""
+        (default on: the core runs in its own process, where its worker(s) load the model; this one loads only the
+        tokenizer)."""
         if multiprocess_mode is None:
             multiprocess_mode = multiprocessing_enabled()
-        model = None if multiprocess_mode else engine_args.load_model()
+        model = None  # the engine core's worker(s) load it, in its process or in this one
         return cls(model, engine_args.load_tokenizer(), engine_args, multiprocess_mode=multiprocess_mode)
 
     def _init_front_end(self, engine_core: EngineCoreClient, tokenizer: PreTrainedTokenizerBase | None,

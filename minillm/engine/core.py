@@ -5,9 +5,13 @@ tokenizing, detokenizing and stop strings stay with the front end. :meth:`Engine
 updates in turn; :meth:`EngineCore.step_with_batch_queue` (async scheduling) plans step N+1 and hands it to the
 executor before it waits for step N. :class:`EngineCoreProc` is the same core in its own process: a busy loop on the
 main thread, an input and an output thread for the two ZeroMQ sockets, a handshake first, Ctrl-C ignored (the client
-handles it), and an exit when its parent dies or a step fails (the client hears ``EngineDeadError``).
+handles it), and an exit when its parent dies or a step fails (the client hears ``EngineDeadError``). At start-up the
+core reads only the model's config: its executor's worker(s) load the weights (each tensor-parallel rank its own
+shard), report their KV cache spec and bytes, and allocate the smallest count over the ranks
+(``EngineCore._initialize_kv_caches``).
 
-vLLM counterpart: ``vllm/v1/engine/core.py`` (``EngineCore.step``, ``step_with_batch_queue``, ``EngineCoreProc``:
+vLLM counterpart: ``vllm/v1/engine/core.py`` (``EngineCore.__init__``, ``_initialize_kv_caches``,
+``EngineCore.step``, ``step_with_batch_queue``, ``EngineCoreProc``:
 ``run_busy_loop``, ``process_input_sockets``, ``process_output_sockets``); vLLM adds data and pipeline parallelism,
 structured output, KV events and sleep mode.
 """
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 import torch
 
+from minillm.core.kv_cache_utils import get_kv_cache_configs
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.core.sched.scheduler import Scheduler
 from minillm.engine import (
@@ -43,7 +48,8 @@ from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.parts import EngineParts
 from minillm.executor.abstract import Executor
 from minillm.executor.multiproc_executor import MultiprocExecutor
-from minillm.executor.uniproc_executor import UniProcExecutor
+from minillm.executor.uniproc_executor import UniProcExecutor, mark_model_thread
+from minillm.loaders.sharded_loader import TemporaryCheckpoint
 from minillm.model.llama import LlamaForCausalLM
 from minillm.model.llama_tp import check_tensor_parallel_config
 from minillm.request import Request, RequestStatus
@@ -70,37 +76,58 @@ ClientPayload = EngineCoreRequest | AbortPayload | UtilityPayload
 class EngineCore:
     """The scheduler and the executor of one engine, stepping over requests.
 
+    Start-up follows vLLM's: the executor builds the worker(s) from ``(Worker, kwargs)`` and each loads its model
+    (rank ``r`` of several: only its shard, read from the checkpoint); then :meth:`_initialize_kv_caches` asks every
+    worker for its KV cache spec and the bytes it can give, takes the smallest count of blocks and has every worker
+    allocate that many; the scheduler is built last, for that many blocks.
+
     Args:
-        model: the loaded model.
-        engine_args: the configuration (``model``, ``dtype``, ``device`` are ignored: the model is loaded).
+        model: a model already loaded in this process (the tests' random tiny models, a notebook's), or ``None``:
+            the worker(s) load ``engine_args.model`` and this process reads only its config. A model object is handed
+            to a worker in this process as it is; to worker processes with ``tensor_parallel_size > 1`` it goes as a
+            temporary checkpoint (:class:`~minillm.loaders.sharded_loader.TemporaryCheckpoint`), written once,
+            each rank reading its shard, removed once the ranks have loaded.
+        engine_args: the configuration (``dtype`` and ``device`` are ignored when ``model`` is given).
         parts: the engine's replaceable parts (chapter 8), default the package's own.
         eos_token_id: the tokenizer's EOS id, what ``min_tokens`` blocks (default: the model config's).
         async_scheduling: step with the batch queue and the :class:`AsyncScheduler` (or ``parts.scheduler_cls``
             when it counts output placeholders itself).
-        model_thread: a one-thread ``ThreadPoolExecutor`` that loaded the model: every step runs there (see
-            :class:`~minillm.executor.uniproc_executor.UniProcExecutor`); ``None``: the caller's thread.
+        model_thread: a one-thread ``ThreadPoolExecutor`` on which the worker in this process is built, loads the
+            model and runs every step (see :class:`~minillm.executor.uniproc_executor.UniProcExecutor`); ``None``:
+            the caller's thread.
+
+    Attributes:
+        available_kv_cache_memory: the bytes each worker reported it can give its KV cache, by rank.
+        num_gpu_blocks: the blocks every worker allocated (the smallest rank's count, or ``num_gpu_blocks``).
 
     Raises:
-        ValueError: a bad argument, a KV cache too small for one request of ``max_model_len`` tokens, or async
-            scheduling with a replaced scheduler class that does not count output placeholders (neither a subclass
-            of ``AsyncScheduler`` nor overriding ``_update_after_schedule``).
+        ValueError: a bad argument, a worker whose budget holds fewer than 2 blocks, a KV cache too small for one
+            request of ``max_model_len`` tokens, or async scheduling with a replaced scheduler class that does not
+            count output placeholders (neither a subclass of ``AsyncScheduler`` nor overriding
+            ``_update_after_schedule``).
     """
 
-    def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, parts: EngineParts | None = None,
+    def __init__(self, model: LlamaForCausalLM | None, engine_args: EngineArgs, parts: EngineParts | None = None,
                  eos_token_id: int | None = None, async_scheduling: bool = False,
                  model_thread: ThreadPoolExecutor | None = None) -> None:
         args = engine_args
         self.parts = parts if parts is not None else EngineParts()
         self.engine_args = args
-        self.model_config = model.config
-        self.dtype = str(model.dtype).removeprefix("torch.")
-        self.scheduler_config = args.create_scheduler_config(model.config)
+        # The core needs the model's config and dtype, not its weights: from the model object, else from the config.
+        if model is not None:
+            self.model_config = model.config
+            dtype, device = model.dtype, str(model.device)
+        else:
+            self.model_config = args.create_model_config()
+            dtype, device = args.resolved_dtype(), args.resolved_device()
+        config = self.model_config
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.scheduler_config = args.create_scheduler_config(config)
         self.max_model_len = self.scheduler_config.max_model_len
-        self.num_gpu_blocks = args.resolved_num_gpu_blocks(model.config, self.max_model_len, model.dtype)
         # Without an explicit choice, the backend follows where the model is (a CPU model on a machine that also has
         # a GPU must not get the GPU's Triton kernels).
         self.attention_backend = (args.attention_backend if args.attention_backend is not None
-                                  else "triton" if model.device.type == "cuda" else "torch")
+                                  else "triton" if device.startswith("cuda") else "torch")
         if self.attention_backend == "triton":
             import kernels  # noqa: F401  (switches on Triton's interpreter without a GPU before any kernel exists)
         scheduler_cls = self.parts.scheduler_cls
@@ -118,9 +145,15 @@ class EngineCore:
                                  f"of AsyncScheduler, or one that overrides _update_after_schedule as exercise 10.2's "
                                  f"does); a replaced scheduler ({scheduler_cls.__name__}) needs "
                                  f"async_scheduling=False")
-        # The parts are handed down as plain functions: the core and the worker never import the engine.
-        self.scheduler: Scheduler = scheduler_cls(self.scheduler_config, self.num_gpu_blocks, args.block_size,
-                                                  args.enable_prefix_caching, **self.parts.scheduler_fns())
+        self.tensor_parallel_size = args.tensor_parallel_size
+        uniproc = args.resolved_distributed_executor_backend() == "uni"
+        if not uniproc:
+            # vLLM's rule, before any process starts: the heads must split over the ranks.
+            check_tensor_parallel_config(config, self.tensor_parallel_size)
+            if self.parts.replaced():
+                raise ValueError(f"replaced engine parts ({self.parts.replaced()}) run in this process only: "
+                                 f"tensor_parallel_size=1 and distributed_executor_backend='uni' (the ranks live in "
+                                 f"other processes)")
         # Chapter 9: a KV connector has two halves, one for the scheduler and one for the model runner.
         self.kv_connector_scheduler = self.kv_connector_worker = None
         kv_transfer_config = args.create_kv_transfer_config()
@@ -128,38 +161,57 @@ class EngineCore:
             from minillm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
 
             make = KVConnectorFactory.create_connector
-            self.kv_connector_scheduler = make(kv_transfer_config, KVConnectorRole.SCHEDULER, model.config,
+            self.kv_connector_scheduler = make(kv_transfer_config, KVConnectorRole.SCHEDULER, config,
                                                args.block_size)
-            self.kv_connector_worker = make(kv_transfer_config, KVConnectorRole.WORKER, model.config,
-                                            args.block_size)
-            self.scheduler.set_kv_connector(self.kv_connector_scheduler)
-        self.eos_token_id = eos_token_id if eos_token_id is not None else model.config.eos_token_id
-        runner_kwargs = ModelRunnerArgs(num_blocks=self.num_gpu_blocks, block_size=args.block_size,
-                                        attention_backend=self.attention_backend, eos_token_id=self.eos_token_id,
+            self.kv_connector_worker = make(kv_transfer_config, KVConnectorRole.WORKER, config, args.block_size)
+        self.eos_token_id = eos_token_id if eos_token_id is not None else config.eos_token_id
+        runner_kwargs = ModelRunnerArgs(block_size=args.block_size, attention_backend=self.attention_backend,
+                                        eos_token_id=self.eos_token_id,
                                         speculative_config=args.create_speculative_config(),
                                         kv_connector=self.kv_connector_worker,
                                         max_num_reqs=self.scheduler_config.max_num_seqs,
                                         max_model_len=self.max_model_len, **self.parts.model_runner_fns())
-        self.tensor_parallel_size = args.tensor_parallel_size
+        worker_kwargs: dict[str, Any] = dict(dtype=dtype, device=device,
+                                             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                                             kv_cache_memory_fraction=args.kv_cache_memory_fraction, **runner_kwargs)
         self.model_executor: Executor
-        if args.resolved_distributed_executor_backend() == "uni":
-            worker = Worker(model, **runner_kwargs)
-            self.model_runner: ModelRunner | None = worker.model_runner
-            self.model_executor = UniProcExecutor(worker, model_thread)
+        self.model_runner: ModelRunner | None = None
+        if uniproc:
+            self.model_executor = UniProcExecutor(Worker, dict(model=model if model is not None else args.model,
+                                                               **worker_kwargs), model_thread)
         else:
-            # vLLM's rule, before any process starts: the heads must split over the ranks.
-            check_tensor_parallel_config(model.config, self.tensor_parallel_size)
-            if self.parts.replaced():
-                raise ValueError(f"replaced engine parts ({self.parts.replaced()}) run in this process only: "
-                                 f"tensor_parallel_size=1 and distributed_executor_backend='uni' (the ranks live in "
-                                 f"other processes)")
-            self.model_runner = None  # each rank holds its own, in its own process
-            # And its own copy of the connector's worker side: the one built here is only what the ranks start from.
+            # Nothing of another rank's shard passes through here: the ranks get a path and read their own slices. A
+            # model object is written once as a temporary checkpoint for them (one rank alone gets the object).
+            checkpoint = None
+            source: LlamaForCausalLM | str | None = args.model
+            if model is not None and self.tensor_parallel_size > 1:
+                checkpoint = TemporaryCheckpoint(model)
+                source = checkpoint.path
+            elif model is not None:
+                source = model
+            # Each rank keeps its own copy of the connector's worker side: the one built here is only what they
+            # start from.
             self.kv_connector_worker = None
-            # Each rank gets its share of this process's threads: more would fight over the same cores.
-            self.model_executor = MultiprocExecutor(self.tensor_parallel_size, Worker,
-                                                    dict(model=model, **runner_kwargs), seed=args.seed,
-                                                    error_cls=EngineDeadError)
+            try:
+                self.model_executor = MultiprocExecutor(self.tensor_parallel_size, Worker,
+                                                        dict(model=source, **worker_kwargs), seed=args.seed,
+                                                        error_cls=EngineDeadError)
+            finally:
+                if checkpoint is not None:
+                    checkpoint.cleanup()  # every rank has read its shard (or failed): the files are not needed
+        try:
+            self.available_kv_cache_memory: list[int] = []
+            self.num_gpu_blocks = self._initialize_kv_caches()
+            if isinstance(self.model_executor, UniProcExecutor):
+                self.model_runner = self.model_executor.driver_worker.model_runner
+            # The parts are handed down as plain functions: the core and the worker never import the engine.
+            self.scheduler: Scheduler = scheduler_cls(self.scheduler_config, self.num_gpu_blocks, args.block_size,
+                                                      args.enable_prefix_caching, **self.parts.scheduler_fns())
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
+        if self.kv_connector_scheduler is not None:
+            self.scheduler.set_kv_connector(self.kv_connector_scheduler)
         self.async_scheduling = async_scheduling
         # vLLM: VllmConfig.max_concurrent_batches, 2 with async scheduling (one step running, the next planned).
         self.batch_queue_size = 2 if async_scheduling else 1
@@ -171,6 +223,22 @@ class EngineCore:
         # executor: recorded only between start_timeline() and take_timeline() (chapter 10's figure, bench/).
         self.timeline: list[tuple[str, float, float]] | None = None
         torch.manual_seed(args.seed)  # the global generator unseeded random sampling draws from
+
+    def _initialize_kv_caches(self) -> int:
+        """Size the KV cache from the workers' reports and have every worker allocate it; the blocks per worker.
+
+        Every worker answers ``get_kv_cache_spec`` (its bytes per block: its own KV heads under tensor parallelism)
+        and ``determine_available_memory`` (the bytes it can give); :func:`~minillm.core.kv_cache_utils.
+        get_kv_cache_configs` takes the smallest count (or ``num_gpu_blocks``), ``initialize_from_config`` allocates
+        it on every worker. vLLM v0.33.0: ``vllm/v1/engine/core.py:EngineCore._initialize_kv_caches``.
+        """
+        executor = self.model_executor
+        specs = executor.get_kv_cache_specs()
+        self.available_kv_cache_memory = executor.determine_available_memory()
+        configs = get_kv_cache_configs(specs, self.available_kv_cache_memory, self.engine_args.num_gpu_blocks)
+        executor.initialize_from_config(configs)
+        executor.compile_or_warm_up_model()
+        return configs[0].num_blocks
 
     # -- requests in and out ------------------------------------------------------------------------------------
     @staticmethod
@@ -433,7 +501,7 @@ class EngineCoreProc(EngineCore):
     :class:`~minillm.engine.core_client.MPClient`.
     """
 
-    def __init__(self, model: LlamaForCausalLM, engine_args: EngineArgs, input_address: str,
+    def __init__(self, model: LlamaForCausalLM | None, engine_args: EngineArgs, input_address: str,
                  output_socket: zmq.Socket[bytes], eos_token_id: int | None = None, async_scheduling: bool = False,
                  model_thread: ThreadPoolExecutor | None = None) -> None:
         super().__init__(model, engine_args, eos_token_id=eos_token_id, async_scheduling=async_scheduling,
@@ -529,10 +597,12 @@ def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_sch
                     output_address: str, death_pipe: multiprocessing.connection.Connection,
                     num_threads: int | None = None,
                     model_pipe: multiprocessing.connection.Connection | None = None) -> None:
-    """The engine-core process's entry point: load, handshake, busy loop; tell the client if anything fails.
+    """The engine-core process's entry point: start the engine core, handshake, busy loop; tell the client if
+    anything fails.
 
     A model the caller already loaded arrives on ``model_pipe`` once the process runs (not with the process's
-    start-up data: see ``MPClient.__init__``); without a pipe it is loaded here from ``engine_args.model``."""
+    start-up data: see ``MPClient.__init__``); without a pipe the engine core's worker(s) load ``engine_args.model``
+    (on ``model_thread`` when the worker is in this process)."""
     import zmq
 
     # Ctrl-C in a terminal reaches the whole process group: the client handles it (it aborts its requests), and
@@ -555,18 +625,15 @@ def run_engine_core(engine_args: EngineArgs, eos_token_id: int | None, async_sch
     core: EngineCoreProc | None = None
     try:
         def build() -> EngineCoreProc:
+            mark_model_thread(model_thread)  # the worker is built and loads here: its executor must not wait on us
             if num_threads is not None:
                 torch.set_num_threads(num_threads)
+            model = None  # the worker(s) load engine_args.model
             if model_pipe is not None:
                 model = model_pipe.recv()
                 model_pipe.close()
-            else:
-                from minillm.loaders.load import load_model
-
-                model = load_model(engine_args.model, dtype=engine_args.resolved_dtype(),
-                                   device=engine_args.resolved_device(), tokenizer=False)
-            if not isinstance(model, LlamaForCausalLM):
-                raise TypeError(f"the engine core needs a LlamaForCausalLM, got {type(model).__name__}")
+                if not isinstance(model, LlamaForCausalLM):
+                    raise TypeError(f"the engine core needs a LlamaForCausalLM, got {type(model).__name__}")
             return EngineCoreProc(model, engine_args, input_address, out, eos_token_id, async_scheduling,
                                   model_thread=model_thread)
 

@@ -14,6 +14,7 @@ runs the core in its own process) and reads the socket on the event loop, where 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -104,12 +105,11 @@ class EngineCoreClient:
             mp_cls = AsyncMPClient if asyncio_mode else SyncMPClient
             return mp_cls(engine_args, model=None if model is None else model.eval(), eos_token_id=eos_token_id,
                           async_scheduling=async_scheduling)
-        if model is None:
-            raise ValueError("an engine core in this process needs a loaded model")
         from minillm.engine.core import EngineCore
 
-        client = InprocClient(EngineCore(model.eval(), engine_args, parts, eos_token_id=eos_token_id,
-                                         async_scheduling=async_scheduling))
+        core = EngineCore(None if model is None else model.eval(), engine_args, parts, eos_token_id=eos_token_id,
+                          async_scheduling=async_scheduling)
+        client = InprocClient(core)
         return AsyncInprocClient(client) if asyncio_mode else client
 
     # -- the synchronous interface (LLMEngine) ---------------------------------------------------------------------
@@ -518,8 +518,10 @@ class MPClient(EngineCoreClient):
     """Start the engine core in its own process and talk to it over ZeroMQ.
 
     Args:
-        engine_args: the configuration; the core loads ``engine_args.model`` itself unless ``model`` is given.
-        model: an already loaded model, sent to the core once (its tensors through shared memory).
+        engine_args: the configuration; the core's worker(s) load ``engine_args.model`` unless ``model`` is given.
+        model: an already loaded model, sent to the core once (its tensors through shared memory); with
+            ``tensor_parallel_size > 1`` written here once as a temporary checkpoint instead, which the ranks read
+            their shards from (so the core's process never holds the whole model), removed once they are ready.
         eos_token_id: the tokenizer's EOS id (what ``min_tokens`` blocks).
         async_scheduling: the core steps with the batch queue.
         num_threads: torch threads in the core (default: the caller's count).
@@ -562,6 +564,14 @@ class MPClient(EngineCoreClient):
         self.resources.sockets = [self.input_socket]
         self.resources.output_socket = self.output_socket
 
+        checkpoint = None
+        if model is not None and engine_args.tensor_parallel_size > 1:
+            from minillm.loaders.sharded_loader import TemporaryCheckpoint
+
+            checkpoint = TemporaryCheckpoint(model)
+            engine_args = dataclasses.replace(engine_args, model=checkpoint.path, dtype=model.dtype,
+                                              device=model.device.type)
+            model = None
         ctx = torch_mp.get_context("spawn")
         death_reader, death_writer = ctx.Pipe(duplex=False)
         self.resources.death_writer = death_writer
@@ -587,7 +597,11 @@ class MPClient(EngineCoreClient):
                 pass  # the child is gone: _wait_for_handshake reports it
             finally:
                 model_writer.close()
-        self.ready = self._wait_for_handshake()
+        try:
+            self.ready = self._wait_for_handshake()
+        finally:
+            if checkpoint is not None:
+                checkpoint.cleanup()  # the ranks have read their shards (or the core failed)
         self._stats = SchedulerStats()
         # The threads hold only a weak reference to the client: deleting the client (an LLM going out of scope)
         # must reach the finalizer that stops the core.

@@ -46,8 +46,8 @@ class LLMEngine:
     """Continuous batching over a paged KV cache on one model: the front end, and a client to the engine core.
 
     Args:
-        model: a loaded :class:`~minillm.model.llama.LlamaForCausalLM`; ``None`` only with ``multiprocess_mode``
-            (the core then loads ``engine_args.model`` itself).
+        model: a loaded :class:`~minillm.model.llama.LlamaForCausalLM`, or ``None``: the engine core's worker(s)
+            load ``engine_args.model`` (each tensor-parallel rank only its shard).
         tokenizer: its Hugging Face tokenizer, or ``None`` (then prompts must be token ids and ``text`` is empty).
         engine_args: the configuration (:class:`~minillm.engine.arg_utils.EngineArgs`); ``model``, ``dtype`` and
             ``device`` in it are ignored when ``model`` is given (see :meth:`from_engine_args`).
@@ -70,9 +70,6 @@ class LLMEngine:
             raise ValueError(f"engine_args must be an EngineArgs, got {type(args).__name__}")
         if parts is not None and not isinstance(parts, EngineParts):
             raise ValueError(f"parts must be an EngineParts, got {type(parts).__name__}")
-        if model is None and not multiprocess_mode:
-            raise ValueError("give a loaded model, or multiprocess_mode=True to have the engine core load "
-                             "engine_args.model (LLMEngine.from_engine_args does)")
         if model is not None and not isinstance(model, LlamaForCausalLM):
             raise ValueError(f"model must be a LlamaForCausalLM (or None), got {type(model).__name__}")
         if multiprocess_mode and parts is not None and parts.replaced():
@@ -102,14 +99,15 @@ class LLMEngine:
         """The engine that ``engine_args`` describe, model and tokenizer loaded.
 
         Args:
-            multiprocess_mode: ``None``: ``MINILLM_ENABLE_V1_MULTIPROCESSING`` (default on). In its own process
-                the core loads the model; this process loads only the tokenizer.
+            multiprocess_mode: ``None``: ``MINILLM_ENABLE_V1_MULTIPROCESSING`` (default on). Either way the engine
+                core's worker(s) load the model; this process loads only the tokenizer (and, in-process, the
+                worker's weights).
         """
         from minillm.engine.core_client import multiprocessing_enabled
 
         if multiprocess_mode is None:
             multiprocess_mode = multiprocessing_enabled()
-        model = None if multiprocess_mode else engine_args.load_model()
+        model = None  # the engine core's worker(s) load it, in its process or in this one
         return cls(model, engine_args.load_tokenizer(), engine_args, multiprocess_mode=multiprocess_mode)
 
     # -- the engine core, when it lives in this process -------------------------------------------------------------

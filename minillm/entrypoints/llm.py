@@ -46,10 +46,11 @@ class LLM:
             for a GPU unless n-gram drafts are configured.
 
     The engine core runs in a process of its own (``MINILLM_ENABLE_V1_MULTIPROCESSING=1``, the default, as vLLM's
-    ``VLLM_ENABLE_V1_MULTIPROCESSING``): it loads the model there (a model given as an object is sent once, its
-    tensors in shared memory), and this process keeps the tokenizer. ``MINILLM_ENABLE_V1_MULTIPROCESSING=0`` keeps
-    it in this process, where ``llm.llm_engine.scheduler`` can be looked at. ``llm.shutdown()`` stops the core
-    process; so does deleting ``llm``, or the interpreter exiting.
+    ``VLLM_ENABLE_V1_MULTIPROCESSING``): its worker loads the model there, or each tensor-parallel rank its own
+    shard in its process (a model given as an object is sent once, its tensors in shared memory, or with several
+    ranks written once as a temporary checkpoint they read from), and this process keeps the tokenizer.
+    ``MINILLM_ENABLE_V1_MULTIPROCESSING=0`` keeps it in this process, where ``llm.llm_engine.scheduler`` can be
+    looked at. ``llm.shutdown()`` stops the core process; so does deleting ``llm``, or the interpreter exiting.
     """
 
     def __init__(self, model: str | LlamaForCausalLM | None = None, tokenizer: Any = None, **engine_args: Any) -> None:

@@ -6,7 +6,13 @@ The engine core never calls a model runner directly. It hands each step's
 ``concurrent.futures.Future`` (``non_block=True``): the second is what lets async scheduling plan step N+1 while
 step N runs.
 
+An executor builds its workers itself, from ``(worker_cls, worker kwargs)``, and has each load its model before it
+returns (``init_device``, ``load_model``); the engine core then sizes the KV cache through it:
+:meth:`~Executor.get_kv_cache_specs` and :meth:`~Executor.determine_available_memory` (one answer per worker), then
+:meth:`~Executor.initialize_from_config` with the core's decision.
+
 vLLM counterpart: ``vllm/v1/executor/abstract.py:Executor`` (``execute_model``, ``collective_rpc``,
+``determine_available_memory``, ``get_kv_cache_specs``, ``initialize_from_config``, ``compile_or_warm_up_model``,
 ``check_health``, ``shutdown``, ``supports_async_scheduling``).
 """
 from __future__ import annotations
@@ -17,6 +23,7 @@ from concurrent.futures import Future
 from typing import Any, Literal, overload
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from minillm.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 
 class Executor(ABC):
@@ -68,6 +75,26 @@ class Executor(ABC):
                        kwargs: Mapping[str, object] | None = None) -> list[Any]:
         """Call ``worker.method(*args, **kwargs)`` on every worker, or ``method(worker, *args, **kwargs)`` when
         ``method`` is a function; one result per worker, by rank."""
+
+    # -- start-up (vLLM: ``Executor.get_kv_cache_specs``, ``determine_available_memory``, ...) ----------------------
+    def get_kv_cache_specs(self) -> list[dict[str, FullAttentionSpec]]:
+        """Each worker's KV cache spec, layer name -> :class:`~minillm.kv_cache_interface.FullAttentionSpec`, by
+        rank."""
+        specs: list[dict[str, FullAttentionSpec]] = self.collective_rpc("get_kv_cache_spec")
+        return specs
+
+    def determine_available_memory(self) -> list[int]:
+        """The bytes each worker can give its KV cache, by rank."""
+        available: list[int] = self.collective_rpc("determine_available_memory")
+        return available
+
+    def initialize_from_config(self, kv_cache_configs: list[KVCacheConfig]) -> None:
+        """Have every worker allocate its KV cache (each takes its own config, by rank) and build its runner."""
+        self.collective_rpc("initialize_from_config", (kv_cache_configs,))
+
+    def compile_or_warm_up_model(self) -> None:
+        """Have every worker warm its model up (nothing to do on this engine's workers)."""
+        self.collective_rpc("compile_or_warm_up_model")
 
     def check_health(self) -> None:  # noqa: B027 - optional: one worker in-process cannot be gone
         """Raise if a worker is gone (one worker in-process: it cannot be)."""

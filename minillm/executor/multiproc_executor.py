@@ -2,7 +2,9 @@
 distributed jobs of the course.
 
 :class:`MultiprocExecutor` starts ``world_size`` processes (``spawn``) that join one gloo group and build a worker
-each (``worker_cls(rank=r, tp_group=g, **worker_kwargs)``). A call is published once on a ZeroMQ ``XPUB`` socket
+each (``worker_cls(rank=r, tp_group=g, **worker_kwargs)``), which then runs its ``init_device`` and ``load_model`` (if
+it has them) before the rank reports ready: each rank loads its own shard, and the engine core sends only a path.
+A call is published once on a ZeroMQ ``XPUB`` socket
 (which sees every rank subscribe, so nothing is sent before all listen) and answered on one ``PULL`` socket; a step
 runs on every rank and only rank 0 answers. A failed or dead rank fails every call, named (a peer's broken
 collective is a symptom: the rank that failed first is waited for up to 2 s); a monitor thread watches the
@@ -104,9 +106,10 @@ class MultiprocExecutor(Executor):
     Args:
         world_size: ranks (processes), ``>= 1``; the engine runs tensor parallelism with 2 or more.
         worker_cls: what each rank builds: ``worker_cls(rank=r, tp_group=g, **worker_kwargs)``, ``g`` a
-            :class:`~minillm.distributed.parallel_state.TensorParallelGroup` of every rank.
-        worker_kwargs: the same for every rank; sent once through a pipe, tensors as shared memory (the model's
-            weights are not copied per rank).
+            :class:`~minillm.distributed.parallel_state.TensorParallelGroup` of every rank; then its
+            ``init_device()`` and ``load_model()``, where it has them (vLLM: ``WorkerProc.__init__``).
+        worker_kwargs: the same for every rank; sent once through a pipe, tensors as shared memory (the engine core
+            sends a checkpoint path instead, and each rank reads its own shard).
         seed: every rank seeds its global generator with it, so unseeded sampling draws the same on every rank.
         num_threads: PyTorch threads per rank (default: this process's, shared out among the ranks, at least 1).
         timeout_s: the longest a call (or a collective inside it) may take before the call fails.
@@ -116,7 +119,8 @@ class MultiprocExecutor(Executor):
 
     Attributes:
         procs: the ranks' processes, rank order.
-        worker_info: what each rank reported when it was ready (its worker's ``describe()``, or ``None``).
+        worker_info: what each rank reported (its worker's ``describe()``, or ``None``): when it was ready (weights
+            loaded), then again after :meth:`initialize_from_config` (KV cache allocated).
 
     Raises:
         ValueError: a bad ``world_size``, ``timeout_s`` or ``start_timeout_s``.
@@ -297,6 +301,12 @@ class MultiprocExecutor(Executor):
     @classmethod
     def supports_async_scheduling(cls) -> bool:
         return True
+
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        """Every rank allocates its KV cache; :attr:`worker_info` is then read again (what each rank now holds)."""
+        super().initialize_from_config(kv_cache_configs)
+        if callable(getattr(self.worker_cls, "describe", None)):
+            self.worker_info = self.collective_rpc("describe")
 
     def check_health(self) -> None:
         """Raise ``error_cls`` if a rank has died or failed, or the executor was shut down."""
@@ -499,7 +509,8 @@ def _release(procs: list[BaseProcess], death_writers: list[Connection], paths: l
 def _worker_main(rank: int, world_size: int, init_file: str, broadcast_address: str, response_address: str,
                  death_pipe: Connection, args_pipe: Connection, worker_cls: type, seed: int, num_threads: int,
                  timeout_s: float) -> None:
-    """A rank's process: join the group, build the worker, then run every call the executor publishes.
+    """A rank's process: join the group, build the worker, load its model, then run every call the executor
+    publishes.
 
     vLLM counterpart: ``vllm/v1/executor/multiproc_executor.py:WorkerProc.worker_main`` and its
     ``worker_busy_loop``."""
@@ -531,6 +542,10 @@ def _worker_main(rank: int, world_size: int, init_file: str, broadcast_address: 
         torch.manual_seed(seed)  # the global generator unseeded random sampling draws from: the same on every rank
         worker = worker_cls(rank=rank, tp_group=TensorParallelGroup(dist.group.WORLD, timeout_s), **worker_kwargs)
         del worker_kwargs
+        for step in ("init_device", "load_model"):  # vLLM: WorkerProc.__init__; each rank loads its own shard
+            fn = getattr(worker, step, None)
+            if callable(fn):
+                fn()
         describe = getattr(worker, "describe", None)
         push.send(pickle.dumps((_READY, rank, True, describe() if describe is not None else None)))
     except BaseException as e:  # noqa: BLE001 - the executor raises it in the caller's process

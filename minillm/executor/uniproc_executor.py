@@ -1,15 +1,19 @@
 """One worker, in the engine core's process: the executor of a single-device engine.
 
-A blocking step runs on the caller's thread; a non-blocking one (async scheduling) on the executor's one thread, which
-keeps steps in order (step N+1 reads the token step N sampled) while the core plans the next. Given ``model_thread``
-(the engine-core process gives the thread that loaded the model), every call runs there: a second thread running
-ops brings a second OpenMP team onto the same cores.
+It builds its worker from ``(worker_cls, worker_kwargs)`` and has it ``init_device`` and ``load_model`` before it
+returns, as every executor does. A blocking step runs on the caller's thread; a non-blocking one (async scheduling)
+on the executor's one thread, which keeps steps in order (step N+1 reads the token step N sampled) while the core
+plans the next. Given ``model_thread`` (the engine-core process gives the thread it builds the core on), every call
+runs there, the worker's construction and loading included: a second thread running ops brings a second OpenMP team
+onto the same cores.
 
-vLLM counterpart: ``vllm/v1/executor/uniproc_executor.py:UniProcExecutor``, which has no thread: its GPU runner only
-launches the step's kernels and returns, and ``non_block`` waits on the device-to-host copy instead.
+vLLM counterpart: ``vllm/v1/executor/uniproc_executor.py:UniProcExecutor`` (its ``_init_executor`` has the
+``WorkerWrapperBase`` build the worker, then calls ``init_device`` and ``load_model``), which has no thread: its GPU
+runner only launches the step's kernels and returns, and ``non_block`` waits on the device-to-host copy instead.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,22 +24,40 @@ from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.executor.abstract import Executor
 from minillm.worker.worker import Worker
 
+_local = threading.local()
+
+
+def mark_model_thread(model_thread: ThreadPoolExecutor) -> None:
+    """Record that the calling thread is ``model_thread``'s: a :class:`UniProcExecutor` built on it (the engine-core
+    process builds its engine core there) then runs its calls inline instead of waiting on itself."""
+    _local.pool = model_thread
+
 
 class UniProcExecutor(Executor):
-    """Runs steps on one :class:`~minillm.worker.worker.Worker`, in this process.
+    """Runs steps on one worker, in this process.
 
     Args:
-        worker: the one worker (its model runner owns the model and the paged KV cache).
-        model_thread: the thread every step runs on (see the module docstring); ``None``: the caller's, or a thread
+        worker_cls: what to build, ``worker_cls(rank=0, tp_group=None, **worker_kwargs)`` (the engine core's:
+            :class:`~minillm.worker.worker.Worker`); its ``init_device`` and ``load_model`` run here, on
+            ``model_thread``.
+        worker_kwargs: its arguments (the model object or path, the runner's arguments, the KV cache budget).
+        model_thread: the thread every call runs on (see the module docstring); ``None``: the caller's, or a thread
             of the executor's own for ``non_block``.
+
+    Attributes:
+        driver_worker: the one worker (its model runner, once the KV cache is allocated, owns the paged KV cache).
     """
 
-    def __init__(self, worker: Worker, model_thread: ThreadPoolExecutor | None = None) -> None:
-        self.driver_worker = worker
+    def __init__(self, worker_cls: type[Worker], worker_kwargs: Mapping[str, Any],
+                 model_thread: ThreadPoolExecutor | None = None) -> None:
         self._model_thread = model_thread  # every call runs there
         self._thread: ThreadPoolExecutor | None = None  # started for the first non-blocking step without one
         self.timeline = None
         self._step_start: float | None = None
+        # vLLM: UniProcExecutor._init_executor (init_worker, init_device, load_model).
+        self.driver_worker: Worker = self._call(partial(worker_cls, rank=0, tp_group=None, **worker_kwargs))
+        self.collective_rpc("init_device")
+        self.collective_rpc("load_model")
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         start = time.monotonic()
@@ -97,9 +119,15 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str | Callable[..., object], args: tuple[object, ...] = (),
                        kwargs: Mapping[str, object] | None = None) -> list[Any]:
         fn = getattr(self.driver_worker, method) if isinstance(method, str) else partial(method, self.driver_worker)
-        if self._model_thread is not None:
-            return [self._model_thread.submit(fn, *args, **(kwargs or {})).result()]
-        return [fn(*args, **(kwargs or {}))]
+        return [self._call(partial(fn, *args, **(kwargs or {})))]
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the model thread, waiting for it; here when there is none, or when this is it
+        (:func:`mark_model_thread`: the engine-core process builds the engine core on that thread)."""
+        thread = self._model_thread
+        if thread is None or getattr(_local, "pool", None) is thread:
+            return fn()
+        return thread.submit(fn).result()
 
     def shutdown(self) -> None:
         for thread in (self._thread, self._model_thread):

@@ -55,7 +55,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype | str = torch
 def load_model_tokenizer(model: str | Path | None = None) -> Any:
     """The tokenizer that comes with a model (what :func:`load_model` returns beside it): from a ``.gguf`` file's
     metadata or a directory's tokenizer files; ``None`` for a directory without any. Loads no weights: the engine's
-    front end calls it while the engine core loads the model in its own process."""
+    front end calls it while the engine core's workers load the model."""
     from minillm.tokenizer import load_tokenizer
 
     path = default_model_path() if model is None else Path(model)

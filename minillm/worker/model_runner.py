@@ -223,9 +223,10 @@ def sort_batch_req_ids(num_scheduled_tokens: dict[str, int], draft_tokens: dict[
 
 
 class ModelRunnerArgs(TypedDict, total=False):
-    """:class:`ModelRunner`'s keyword arguments, as the engine core hands them to each worker."""
+    """:class:`ModelRunner`'s keyword arguments, as the engine core hands them to each worker (without
+    ``num_blocks``: the worker gets it from the engine core at ``initialize_from_config``)."""
 
-    num_blocks: Required[int]
+    num_blocks: int
     block_size: Required[int]
     attention_backend: str
     kv_cache_dtype: torch.dtype | None

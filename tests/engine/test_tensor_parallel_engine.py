@@ -32,6 +32,7 @@ from minillm.engine import EngineDeadError
 from minillm.engine.arg_utils import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.executor.multiproc_executor import MultiprocExecutor
+from minillm.kv_cache_interface import KVCacheConfig
 from minillm.worker.worker import Worker
 from minillm.model.parallel_layers import num_kv_heads_per_rank
 from minillm.sampling_params import SamplingParams
@@ -318,8 +319,9 @@ def test_a_rank_stuck_in_a_collective_times_out_with_a_clear_error():
     eng.add_request("a", list(range(1, 20)), SamplingParams(temperature=0.0, max_tokens=4))
     so = eng.scheduler.schedule()  # the plan of one step, made by the engine's own scheduler
     eng.shutdown()
-    executor = MultiprocExecutor(2, Worker, dict(model=model, num_blocks=40, block_size=4, max_model_len=64),
+    executor = MultiprocExecutor(2, Worker, dict(model=model, block_size=4, max_model_len=64),
                                  timeout_s=3.0, error_cls=EngineDeadError)
+    executor.initialize_from_config([KVCacheConfig(num_blocks=40)] * 2)  # what the engine core decides at start-up
     pids = [p.pid for p in executor.procs]
     try:
         os.kill(pids[1], signal.SIGSTOP)  # rank 1 never reaches the first all-reduce

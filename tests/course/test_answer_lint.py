@@ -90,6 +90,11 @@ CHEATS: list[tuple[str, str, str]] = [
     ("10.1", "b = __builtins__", "reflection"),
     ("10.1", "import builtins", "import"),
     ("10.1", "from builtins import getattr as ga", "import"),
+    # work handed to another thread, where the guard does not watch; a kernel's private helpers
+    ("10.1", "from minillm.engine.core import ThreadPoolExecutor", "thread"),
+    ("10.1", "from minillm.engine import core\npool = core.ThreadPoolExecutor(1)", "thread"),
+    ("10.1", "def f(pool):\n    return pool.submit(print, 1)", "thread"),
+    ("10.4", "from kernels.compile_check import _input_jobs", "import"),
     # frames and code objects
     ("10.1", "g = f.__wrapped__", "reflection"),
     ("10.1", "c = fn.__code__", "reflection"),

@@ -178,6 +178,32 @@ def test_10_1_delegating_to_the_runner_fails(method):
                    "Exercise 10.1 asks you to write this yourself", f"ModelRunner.{method}")
 
 
+def test_10_1_the_runners_update_on_another_thread_fails():
+    """The guard watches threads the answer starts too (the lint refuses the package's thread pools)."""
+    import threading
+
+    solution = _wrong_10_1()
+
+    def on_a_thread(req_states, block_tables, requests_info, scheduler_output):
+        from types import SimpleNamespace
+
+        from minillm.worker.model_runner import ModelRunner
+
+        stand_in = SimpleNamespace(req_states=req_states, block_tables=block_tables, requests_info=requests_info)
+        worker = threading.Thread(target=ModelRunner.finish_requests, args=(stand_in, scheduler_output))
+        worker.start()
+        worker.join(timeout=30)
+        return solution(req_states, block_tables, requests_info, scheduler_output)
+
+    _assert_caught(run_check(SOLUTION, "10.1", update_states=on_a_thread),
+                   "Exercise 10.1 asks you to write this yourself", "ModelRunner.finish_requests")
+
+
+def test_10_1_a_seeded_request_needs_its_own_seed():
+    _assert_caught(run_check(SOLUTION, "10.1", update_states=_wrong_10_1(
+        ("make_generator(params.seed) if", "make_generator(0) if"))), "is not make_generator(5)")
+
+
 def test_10_1_the_runs_go_through_every_case():
     """The counts the check prints: each case a mistake above needs is there."""
     from minillm.course.exercises.ch10 import check_update_states
@@ -602,6 +628,36 @@ def test_10_4_mistakes_are_named(mistake, tmp_path):
     edits, phrases = WRONG_10_4[mistake]
     kernel = _wrong_10_4(tmp_path, *edits)
     _assert_caught(run_check_after_setup(SOLUTION, "10.4", my_pos_seq_lens_kernel=kernel), *phrases)
+
+
+def test_10_4_a_kernel_only_the_interpreter_runs_is_refused(tmp_path):
+    kernel = _wrong_10_4(tmp_path, (_LOOP + "\n        tl.store(positions_ptr + start + j, (num_computed + j).to(tl.int64), "
+                                    "mask=j < query_len)",
+                                    "    for i in range(int(query_len)):\n        tl.store(positions_ptr + start + i, "
+                                    "(num_computed + i).to(tl.int64))"))
+    _assert_caught(run_check_after_setup(SOLUTION, "10.4", my_pos_seq_lens_kernel=kernel),
+                   "Triton's compiler for a GPU refuses it")
+
+
+def test_10_4_a_fixed_width_instead_of_block_is_refused(tmp_path):
+    kernel = _wrong_10_4(tmp_path, ("j = i + tl.arange(0, BLOCK)", "j = i + tl.arange(0, 256)"),
+                         ("for i in range(0, query_len, BLOCK):", "for i in range(0, query_len, 256):"))
+    _assert_caught(run_check_after_setup(SOLUTION, "10.4", my_pos_seq_lens_kernel=kernel), "more than BLOCK = 4")
+
+
+def test_10_4_the_packages_kernel_called_from_the_answer_is_found_by_reading_its_calls(tmp_path):
+    """Where no tripwire watches (the grading process launches a rebuilt kernel), the check reads the kernel's own
+    calls: the package's kernel, under a name that came from another module, is refused before any launch."""
+    from kernels.input_batch import _prepare_pos_seq_lens_kernel
+    from minillm.course.exercises.ch10.input_kernel import _package_kernel_reached
+
+    kernel = _wrong_10_4(tmp_path, ("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n    _jobs_kernel(positions_ptr, "
+                                    "seq_lens_ptr, idx_mapping_ptr, query_start_loc_ptr, num_computed_tokens_ptr, "
+                                    "BLOCK)\n    return\n"))
+    _package_kernel_reached(kernel)   # the name is unbound: nothing of the package's is reached
+    kernel.fn.__globals__["_jobs_kernel"] = _prepare_pos_seq_lens_kernel
+    with pytest.raises(AssertionError, match="Exercise 10.4 asks you to write this yourself"):
+        _package_kernel_reached(kernel)
 
 
 def test_10_4_a_kernel_that_calls_the_packages_fails(tmp_path):

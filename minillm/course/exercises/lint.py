@@ -72,7 +72,7 @@ _REFUSED_SUBMODULES = (
     "torch.fx",                   # builds and runs Python from graph nodes that name attributes as strings
     "torch.multiprocessing",      # other processes
 )
-_PRIVATE_CHECKED = ("torch", "numpy", "triton")  # private modules and attributes of these are the interpreter's side
+_PRIVATE_CHECKED = ("torch", "numpy", "triton", "kernels")  # private modules and attributes: internals
 
 # Modules that reach the interpreter, the machine or other code: refused as imports, as names (a notebook's setup cell
 # may have imported ``inspect`` or ``sys``; the answer must not use it) and as attribute names (``torch.sys``).
@@ -114,6 +114,11 @@ _REFUSED_ATTRIBUTES: dict[str, tuple[str, str]] = {
     "cpp_extension": ("load", "compiles native code"), "load_inline": ("load", "compiles native code"),
     "load_library": ("load", "loads native code"), "ctypeslib": ("load", "loads native code"),
     "f2py": ("load", "compiles native code"),
+    # Threads and processes the package's modules import: the guard watches the answer's own thread, so work handed
+    # to another one would run the package's part unseen.
+    **{name: ("thread", "runs code on another thread or process") for name in (
+        "Thread", "Timer", "ThreadPoolExecutor", "ProcessPoolExecutor", "Process", "Pool", "submit", "map_async",
+        "apply_async", "start_new_thread", "to_thread", "run_in_executor", "model_thread")},
 }
 # Dunder attributes honest code needs: super().__init__(...), a base class's __post_init__, type(x).__name__.
 _ALLOWED_DUNDER_ATTRIBUTES = frozenset({"__init__", "__post_init__", "__name__"})
@@ -135,6 +140,7 @@ RULES: dict[str, str] = {
     "rebind": "leave the course's names alone",
     "patch": "change only what your answer made",
     "load": "no unpickling or native code",
+    "thread": "no threads or processes",
 }
 
 _DUNDER = re.compile(r"__\w+__")

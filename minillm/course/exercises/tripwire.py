@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -310,12 +311,16 @@ def building(exercises: str | Iterable[str], *learner: Any) -> Iterator[Trip]:
             _WATCH._load()
             if outermost:
                 _WATCH.previous = sys.getprofile()
+                # Threads started inside the block are watched too (those started before it are refused by the
+                # answer lint, rule "thread").
+                threading.setprofile(_WATCH.profile)
             sys.setprofile(_WATCH.profile)
         yield trip
     finally:
         _WATCH.stack.pop()
         if watching:
             if outermost:
+                threading.setprofile(None)
                 sys.setprofile(_WATCH.previous)
                 _WATCH.previous = None
             else:

@@ -18,6 +18,7 @@ _prepare_pos_seq_lens_kernel``.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,7 @@ def _random_cases(seed: int = 104, n: int = 24) -> list[tuple[dict[str, Any], in
         max_num_reqs = 8
         num_reqs = int(rng.integers(1, max_num_reqs + 1))
         slots = rng.permutation(max_num_reqs)[:num_reqs].tolist()
-        query_lens = [int(q) for q in rng.choice([0, 1, 1, 2, 3, 5, 9, 17, 40], size=num_reqs)]
+        query_lens = [int(q) for q in rng.choice([0, 1, 1, 2, 3, 5, 9, 17, 40, 130], size=num_reqs)]
         num_computed = rng.integers(0, 60, size=max_num_reqs).tolist()
         cases.append((_case(slots, query_lens, num_computed), int(rng.choice([4, 8, 16]))))
     return cases
@@ -114,8 +115,8 @@ def _row_problem(case: dict[str, Any], block: int, got_pos: list[int], got_len: 
     return None
 
 
-def _stores_problem(trace: MemoryTrace, case: dict[str, Any]) -> str | None:
-    """Each program's stores: only its own row's positions and its own ``seq_lens`` entry."""
+def _stores_problem(trace: MemoryTrace, case: dict[str, Any], block: int) -> str | None:
+    """Each program's stores: only its own row's positions and its own ``seq_lens`` entry, ``BLOCK`` lanes at most."""
     positions, seq_lens = case["positions"], case["seq_lens"]
     qsl = case["query_start_loc"].tolist()
     spans = {"positions": (positions.data_ptr(), positions.numel(), 8),
@@ -134,9 +135,69 @@ def _stores_problem(trace: MemoryTrace, case: dict[str, Any]) -> str | None:
                 return (f"program {b} stored into {name}{stray[:6]}, outside its own "
                         + (f"positions[{qsl[b]}:{qsl[b + 1]}]: mask the stores of the last piece with "
                            f"j < query length" if name == "positions" else f"entry seq_lens[{b}]"))
+    widest = max((a.addresses.size for a in trace.accesses if a.kind == "store"), default=0)
+    if widest > block:
+        return (f"one store wrote {widest} values at once, more than BLOCK = {block}: the kernel must work in pieces "
+                f"of BLOCK lanes (tl.arange(0, BLOCK)), whatever the query's length")
     outside = trace.outside([positions, seq_lens], "store")
     if outside.size:
         return f"the kernel stored {outside.size} values outside positions and seq_lens"
+    return None
+
+
+def _package_kernel_reached(kernel: Any) -> None:
+    """Raise :class:`~minillm.course.exercises.tripwire.DelegationError` if ``kernel``, or a ``@triton.jit`` function
+    it calls (by a name of its globals, however deep), is the package's kernel or a copy of its code. The tripwire
+    sees a call only where it watches; this reads the kernel's own calls, wherever the kernel was rebuilt."""
+    from minillm.course.exercises.answer_kernels import is_kernel
+    from minillm.course.exercises.tripwire import DelegationError, _resolve, _same_code, targets_of
+
+    codes = []
+    for target in targets_of(["10.4"]):
+        obj = _resolve(target)[2]
+        fn = getattr(obj, "fn", obj)
+        if hasattr(fn, "__code__"):
+            codes.append((target, fn.__code__))
+    seen: set[int] = set()
+    todo = [kernel]
+    while todo:
+        k = todo.pop()
+        fn = getattr(k, "fn", k)
+        if id(fn) in seen or not hasattr(fn, "__code__"):
+            continue
+        seen.add(id(fn))
+        for target, code in codes:
+            if _same_code(fn.__code__, code):
+                raise DelegationError("10.4", target)
+        names = set(fn.__code__.co_names)
+        for const in fn.__code__.co_consts:  # nested code (a loop body's comprehension, a local function)
+            if hasattr(const, "co_names"):
+                names |= set(const.co_names)
+        todo += [v for n in names if is_kernel(v := fn.__globals__.get(n))]
+
+
+def _gpu_compile_problem(kernel: Any) -> str | None:
+    """Compile ``kernel`` for a CUDA GPU (sm_80, no GPU needed, as ``kernels.compile_check`` does): the interpreter
+    runs any Python, the compiler only Triton. ``None`` when it compiles or the toolchain is missing."""
+    try:
+        from triton.runtime.jit import JITFunction
+
+        from kernels.compile_check import _compile
+    except ImportError:
+        return None
+    # kernels.compile_check's setting: Triton 3.9 warns on every first compile without it.
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    pointers = {"positions_ptr": "*i64", "seq_lens_ptr": "*i32", "idx_mapping_ptr": "*i64",
+                "query_start_loc_ptr": "*i32", "num_computed_tokens_ptr": "*i32"}
+    try:
+        _compile(JITFunction(getattr(kernel, "fn", kernel)), {}, pointers, {"BLOCK": 16}, 80, 4, 1)
+    except (FileNotFoundError, PermissionError):  # no ptxas here: the interpreter's verdict stands
+        return None
+    except Exception as e:  # noqa: BLE001 - any refusal of the compiler is the answer's
+        first = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:160] or type(e).__name__
+        return (f"your kernel runs in Triton's interpreter, but Triton's compiler for a GPU refuses it ({first}). "
+                f"Inside a kernel only Triton works: no int() or float() of a loaded value, no Python lists, loops "
+                f"with range over values the kernel computed are fine")
     return None
 
 
@@ -150,6 +211,7 @@ def check_pos_seq_lens_kernel(kernel: Any, verbose: bool = True) -> dict[str, in
     if not is_kernel(kernel):
         raise AssertionError(f"my_pos_seq_lens_kernel must be a @triton.jit kernel (the check launches it as "
                              f"kernel[(num_reqs,)](...)), got {type(kernel).__name__}")
+    _package_kernel_reached(kernel)
     learner = guard("10.4", interpreted(kernel))
     picture = _case(PICTURE_SLOTS, PICTURE_QUERY_LENS, PICTURE_NUM_COMPUTED)
     with trace_memory() as trace:
@@ -163,7 +225,7 @@ def check_pos_seq_lens_kernel(kernel: Any, verbose: bool = True) -> dict[str, in
         where = f"On the batch {_describe(case, block)}"
         problem = _row_problem(case, block, got_pos, got_len)
         if problem is None and case is picture:
-            problem = _stores_problem(trace, case)
+            problem = _stores_problem(trace, case, block)
         if problem is None and (got_pos != want_pos.tolist() or got_len != want_len.tolist()):
             num_tokens, num_reqs = int(case["query_start_loc"][-1]), case["idx_mapping"].shape[0]
             problem = (f"the buffers past the batch changed: positions[{num_tokens}:] is {got_pos[num_tokens:]} and "
@@ -177,6 +239,9 @@ def check_pos_seq_lens_kernel(kernel: Any, verbose: bool = True) -> dict[str, in
         counts["tokens"] += int(lens.sum())
         counts["empty rows"] += int((lens == 0).sum())
         counts["rows longer than BLOCK"] += int((lens > block).sum())
+    problem = _gpu_compile_problem(kernel)
+    if problem:
+        raise AssertionError(problem + ".")
     if verbose:
         print(f"Your kernel wrote the positions and sequence lengths of {counts['rows']} rows ({counts['tokens']} "
               f"tokens, {counts['empty rows']} empty rows, {counts['rows longer than BLOCK']} longer than BLOCK) in "

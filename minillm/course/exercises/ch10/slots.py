@@ -249,6 +249,13 @@ def _info_problem(mine: dict[str, RequestInfo], ref: dict[str, RequestInfo], so:
                     + ("expected make_generator(seed): its sampling params have a seed (SamplingType.RANDOM_SEED)"
                        if want.generator is not None else
                        "expected None: only a seeded request (SamplingType.RANDOM_SEED) gets a generator"))
+        if got.generator is not None and want.generator is not None and (
+                not isinstance(got.generator, torch.Generator)
+                or got.generator.initial_seed() != want.generator.initial_seed()
+                or not torch.equal(got.generator.get_state(), want.generator.get_state())):
+            return (f"requests_info[{rid!r}].generator is not make_generator({want.sampling_params.seed}): a seeded "
+                    f"request draws from a generator seeded with its own seed, so its tokens are the same whatever "
+                    f"else runs beside it")
     return None
 
 

@@ -204,6 +204,12 @@ def test_10_1_a_seeded_request_needs_its_own_seed():
         ("make_generator(params.seed) if", "make_generator(0) if"))), "is not make_generator(5)")
 
 
+def test_10_1_a_greedy_request_with_a_seed_gets_no_generator():
+    _assert_caught(run_check(SOLUTION, "10.1", update_states=_wrong_10_1(
+        ("if params.sampling_type == SamplingType.RANDOM_SEED else None", "if params.seed is not None else None"))),
+        "generator is a generator, expected None")
+
+
 def test_10_1_the_runs_go_through_every_case():
     """The counts the check prints: each case a mistake above needs is there."""
     from minillm.course.exercises.ch10 import check_update_states
@@ -637,6 +643,12 @@ def test_10_4_a_kernel_only_the_interpreter_runs_is_refused(tmp_path):
                                     "(num_computed + i).to(tl.int64))"))
     _assert_caught(run_check_after_setup(SOLUTION, "10.4", my_pos_seq_lens_kernel=kernel),
                    "Triton's compiler for a GPU refuses it")
+
+
+def test_10_4_an_arange_over_the_query_length_is_named(tmp_path):
+    kernel = _wrong_10_4(tmp_path, ("j = i + tl.arange(0, BLOCK)", "j = i + tl.arange(0, query_len)"))
+    _assert_caught(run_check_after_setup(SOLUTION, "10.4", my_pos_seq_lens_kernel=kernel), "your kernel raised",
+                   "use tl.arange(0, BLOCK)")
 
 
 def test_10_4_a_fixed_width_instead_of_block_is_refused(tmp_path):

@@ -18,7 +18,9 @@ _prepare_pos_seq_lens_kernel``.
 """
 from __future__ import annotations
 
+import inspect
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -58,9 +60,20 @@ def _random_cases(seed: int = 104, n: int = 24) -> list[tuple[dict[str, Any], in
 
 
 def _launch(kernel: Any, case: dict[str, Any], block: int) -> None:
+    """Launch ``kernel`` on ``case``; a crash is a wrong answer (an ``AssertionError`` that names the batch)."""
     num_reqs = case["idx_mapping"].shape[0]
-    unwrap_kernel_errors(kernel[(num_reqs,)])(case["positions"], case["seq_lens"], case["idx_mapping"],
-                                              case["query_start_loc"], case["num_computed_tokens"], BLOCK=block)
+    try:
+        unwrap_kernel_errors(kernel[(num_reqs,)])(case["positions"], case["seq_lens"], case["idx_mapping"],
+                                                  case["query_start_loc"], case["num_computed_tokens"], BLOCK=block)
+    except (NotImplementedError, AssertionError):  # a stub, or a call of the package's own kernel
+        raise
+    except Exception as e:  # noqa: BLE001
+        hint = ""
+        if "arange" in str(e):
+            hint = (". tl.arange's bounds must be constants the compiler knows (tl.constexpr): use "
+                    "tl.arange(0, BLOCK), and a mask for the lanes past the query's end")
+        raise AssertionError(f"On the batch {_describe(case, block)}: your kernel raised {type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}{hint}") from e
 
 
 def _want(case: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,10 +207,23 @@ def _gpu_compile_problem(kernel: Any) -> str | None:
     except (FileNotFoundError, PermissionError):  # no ptxas here: the interpreter's verdict stands
         return None
     except Exception as e:  # noqa: BLE001 - any refusal of the compiler is the answer's
-        first = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:160] or type(e).__name__
-        return (f"your kernel runs in Triton's interpreter, but Triton's compiler for a GPU refuses it ({first}). "
-                f"Inside a kernel only Triton works: no int() or float() of a loaded value, no Python lists, loops "
-                f"with range over values the kernel computed are fine")
+        text = str(e)
+        if "should be defined in a Python file" in text:  # no source to compile (a kernel built by exec)
+            return None
+        where = re.search(r"at (\d+):(\d+):", text)
+        line = ""
+        if where:
+            try:
+                lines = inspect.getsource(getattr(kernel, "fn", kernel)).splitlines()
+                line = f" at line {where.group(1)} of the kernel, counting its @triton.jit line as 1: " \
+                       f"`{lines[int(where.group(1)) - 1].strip()}`"
+            except (OSError, TypeError, IndexError):
+                line = f" at line {where.group(1)} of the kernel"
+        last = next((x.strip() for x in reversed(text.splitlines()) if x.strip() and not x.strip().startswith("^")),
+                    type(e).__name__)
+        return (f"your kernel runs in Triton's interpreter, but Triton's compiler for a GPU refuses it{line} "
+                f"({last[:160]}). Inside a kernel only Triton works: no int() or float() of a loaded value, no "
+                f"Python lists; a loop over range(start, end, BLOCK) with values the kernel loaded is fine")
     return None
 
 
@@ -232,7 +258,7 @@ def check_pos_seq_lens_kernel(kernel: Any, verbose: bool = True) -> dict[str, in
                        f"seq_lens[{num_reqs}:] is {got_len[num_reqs:]}, expected all -1 (write only the batch's "
                        f"entries)")
         if problem:
-            raise AssertionError(f"{where}: {problem}.")
+            raise AssertionError(f"{where}: {problem.rstrip('.')}.")
         lens = np.diff(case["query_start_loc"].numpy())
         counts["cases"] += 1
         counts["rows"] += len(lens)
@@ -241,7 +267,7 @@ def check_pos_seq_lens_kernel(kernel: Any, verbose: bool = True) -> dict[str, in
         counts["rows longer than BLOCK"] += int((lens > block).sum())
     problem = _gpu_compile_problem(kernel)
     if problem:
-        raise AssertionError(problem + ".")
+        raise AssertionError(problem.rstrip(".") + ".")
     if verbose:
         print(f"Your kernel wrote the positions and sequence lengths of {counts['rows']} rows ({counts['tokens']} "
               f"tokens, {counts['empty rows']} empty rows, {counts['rows longer than BLOCK']} longer than BLOCK) in "

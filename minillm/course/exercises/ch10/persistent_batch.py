@@ -61,8 +61,8 @@ class Recording:
     num_speculative_steps: int = 0
 
 
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def _greedy(max_tokens: int, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=seed)
 
 
 def _seeded(seed: int, max_tokens: int) -> SamplingParams:
@@ -101,7 +101,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[int, list], dict[int, list[str]]
         {0: _FIRST, 12: [("d", _PROMPTS["d"][:7], _greedy(5))]}, {12: ["d"]}, False),
     "async scheduling, 11 blocks": (
         dict(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64, max_model_len=40),
-        {0: [("a", list(range(15)), _greedy(16)), ("b", list(range(100, 115)), _seeded(3, 16))]}, {}, True),
+        # "a" is greedy with a seed: greedy sampling draws nothing, so it gets no generator of its own.
+        {0: [("a", list(range(15)), _greedy(16, seed=11)), ("b", list(range(100, 115)), _seeded(3, 16))]}, {}, True),
     "a failed KV load, then every request preempted": (
         dict(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64, max_model_len=40,
              kv_transfer_config=_FAILED_LOAD),

@@ -335,7 +335,7 @@ def replay(update_states: UpdateStates, recording: Recording) -> Counter[str]:
                    or _slot_data_problem(mine, ref, ref_so, blocks_before)
                    or _mapping_problem(got, want, mine, ref_so))
         if problem:
-            raise AssertionError(f"{where}: {problem}.")
+            raise AssertionError(f"{where}: {problem.rstrip('.')}.")
         _count(counts, ref_so, previous, before, ref, want, freed)
         freed |= {s for r, s in before.items() if ref.req_states.req_id_to_index.get(r) != s}
         previous = set(ref_so.num_scheduled_tokens)

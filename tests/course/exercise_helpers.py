@@ -10,15 +10,19 @@ Tests of typical mistakes use it to prove that a check fails on them, and says w
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import hashlib
 import importlib.util
 import itertools
 import linecache
 import os
+import random
 import re
 import sys
-from collections.abc import Callable, Hashable
+import types
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +93,10 @@ def run_check_armed(solution: str | Path, exercise: str, arm: Callable[[], None]
     return _run_check(solution, exercise, None, replace, skip_exercise_checks=True, before_check=arm)
 
 
+def _first_line(cell: nbformat.NotebookNode) -> str:
+    return cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
+
+
 def _run_check(solution: str | Path, exercise: str, answer: str | None, replace: dict[str, Any],
                setup_only: bool = False, skip_exercise_checks: bool = False,
                before_check: Callable[[], None] | None = None) -> BaseException | None:
@@ -97,21 +105,26 @@ def _run_check(solution: str | Path, exercise: str, answer: str | None, replace:
         path = ROOT / "solutions" / path
     nb = nbformat.read(path, as_version=4)
     matplotlib.use("Agg")
-    ns: dict[str, Any] = {"__name__": "__main__"}
     cwd = os.getcwd()
     os.chdir(path.parent)  # as Jupyter runs a notebook: relative paths from its own folder
     kind = "Exercise" if "." in exercise else "Challenge"  # "2.1", or "2" for chapter 2's challenge
     skip_exercise_checks = skip_exercise_checks and path.name not in CHECKS_FEED_LATER_CELLS
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    at = next((i for i, c in enumerate(code) if _first_line(c).startswith(f"# {kind} {exercise}:")), len(code))
     try:
-        seen_exercise = False
-        for cell in nb.cells:
-            if cell.cell_type != "code":
-                continue
-            first = cell.source.lstrip().splitlines()[0] if cell.source.strip() else ""
-            is_check = re.match(rf"# Check {kind} {re.escape(exercise)}(?=$|[\s,])", first) is not None
-            if is_check:
-                if not seen_exercise:
-                    raise LookupError(f"{path.name}: the check of exercise {exercise} comes before its exercise cell")
+        key = (path.resolve(), kind, exercise, setup_only, skip_exercise_checks)
+        shared = _SHARED_PREFIXES.get(key) if _SHARED_PREFIXES is not None else None
+        if shared is not None:
+            ns = shared.namespace()
+        else:
+            ns = {"__name__": "__main__"}
+            _run_prefix(code[:at], ns, path.name, kind, exercise, setup_only, skip_exercise_checks)
+            if _SHARED_PREFIXES is not None and _Prefix.shareable(ns):
+                _SHARED_PREFIXES[key] = _Prefix(ns)
+                ns = _SHARED_PREFIXES[key].namespace()
+        for cell in code[at:]:
+            first = _first_line(cell)
+            if re.match(rf"# Check {kind} {re.escape(exercise)}(?=$|[\s,])", first) is not None:
                 if before_check is not None:
                     before_check()
                 try:
@@ -121,13 +134,10 @@ def _run_check(solution: str | Path, exercise: str, answer: str | None, replace:
                 return None
             is_exercise = first.startswith(f"# {kind} {exercise}:")
             source = answer if is_exercise and answer is not None else cell.source
-            if setup_only and not seen_exercise and not is_exercise and not first.startswith("# Environment set-up"):
-                continue
-            if skip_exercise_checks and first.startswith("# Check Exercise") and not is_check:
+            if skip_exercise_checks and first.startswith("# Check Exercise"):
                 continue  # the earlier exercises' checks: each is tested on its own, and running them is slow
             exec(_compile_cell(_plain_python(source), f"{path.name}:cell"), ns)  # noqa: S102
             if is_exercise:
-                seen_exercise = True
                 missing = [k for k in replace if k not in ns]
                 if missing:
                     raise LookupError(f"exercise {exercise} of {path.name} defines no {missing}")
@@ -135,6 +145,83 @@ def _run_check(solution: str | Path, exercise: str, answer: str | None, replace:
         raise LookupError(f"{path.name} has no '# Check Exercise {exercise}' cell")
     finally:
         os.chdir(cwd)
+
+
+def _run_prefix(cells: list[nbformat.NotebookNode], ns: dict[str, Any], name: str, kind: str, exercise: str,
+                setup_only: bool, skip_exercise_checks: bool) -> None:
+    """The cells before the exercise's own, into ``ns``: only the set-up cells with ``setup_only``, and not the
+    earlier exercises' checks with ``skip_exercise_checks``."""
+    for cell in cells:
+        first = _first_line(cell)
+        if re.match(rf"# Check {kind} {re.escape(exercise)}(?=$|[\s,])", first) is not None:
+            raise LookupError(f"{name}: the check of exercise {exercise} comes before its exercise cell")
+        if setup_only and not first.startswith("# Environment set-up"):
+            continue
+        if skip_exercise_checks and first.startswith("# Check Exercise"):
+            continue  # the earlier exercises' checks: each is tested on its own, and running them is slow
+        exec(_compile_cell(_plain_python(cell.source), f"{name}:cell"), ns)  # noqa: S102
+
+
+# -- one run of a notebook's cells before an exercise, shared by the tests of that exercise -----------------------------
+# key (notebook, kind, exercise, setup_only, skip_exercise_checks) -> the namespace after those cells; None: off.
+_SHARED_PREFIXES: dict[tuple, _Prefix] | None = None
+
+
+class _Prefix:
+    """The namespace after a notebook's cells before an exercise, and the random generators' states there. Each
+    :meth:`namespace` is a deep copy of it, as a fresh run would leave it: values copied (the state a check or a
+    wrong answer may change), functions rebound to the copy (a function of the notebook that appends to one of its
+    lists appends to the copy's), and the random generators set back. Modules, models and tokenizers are shared,
+    as every test of a file shares the session's model (conftest's ``smollm``). A function of the notebook kept
+    inside a value rather than under its own name keeps the first run's globals."""
+
+    def __init__(self, ns: dict[str, Any]) -> None:
+        self.ns = ns
+        self.rng = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+
+    @staticmethod
+    def shareable(ns: dict[str, Any]) -> bool:
+        """No class made by the cells (its methods would keep the first run's globals, which a copy cannot
+        rebind), and a copy can be made (no lock or thread in the state); else each test runs the cells."""
+        if any(isinstance(v, type) and v.__module__ == "__main__" for v in ns.values()):
+            return False
+        try:
+            _Prefix(ns).namespace()
+        except (TypeError, copy.Error):
+            return False
+        return True
+
+    def namespace(self) -> dict[str, Any]:
+        copy_ns: dict[str, Any] = {}
+        memo: dict[int, Any] = {id(self.ns): copy_ns}
+        for name, value in self.ns.items():
+            if name == "__builtins__" or isinstance(value, (types.ModuleType, torch.nn.Module)) or type(
+                    value).__module__.startswith(("transformers.", "tokenizers.")):
+                memo[id(value)] = value
+            elif isinstance(value, types.FunctionType) and value.__globals__ is self.ns:
+                f = types.FunctionType(value.__code__, copy_ns, value.__name__, value.__defaults__,
+                                       value.__closure__)
+                f.__kwdefaults__, f.__qualname__ = value.__kwdefaults__, value.__qualname__
+                f.__dict__.update(value.__dict__)
+                memo[id(value)] = f
+        copy_ns.update({name: copy.deepcopy(value, memo) for name, value in self.ns.items()})
+        random.setstate(self.rng[0])
+        np.random.set_state(self.rng[1])
+        torch.random.set_rng_state(self.rng[2])
+        return copy_ns
+
+
+@contextlib.contextmanager
+def shared_prefixes() -> Iterator[None]:
+    """Within it, the tests of one exercise run the notebook's cells before it once (the first test), and each
+    gets a fresh copy of what they left (see :class:`_Prefix`): for a file whose tests each re-ran seconds of a
+    notebook's lesson cells before the exercise's check."""
+    global _SHARED_PREFIXES
+    _SHARED_PREFIXES = {}
+    try:
+        yield
+    finally:
+        _SHARED_PREFIXES = None
 
 
 _counter = itertools.count()

@@ -55,7 +55,10 @@ def test_exercise_checks_fail_until_solved(solution):
 
     nb = build_notebook(nbformat.read(solution, as_version=4))
     env = dict(os.environ)
-    NotebookClient(nb, timeout=600, allow_errors=True, kernel_name="python3",
+    # The kernel is killed with its process group once the last cell ran (as nbval does): a graceful shutdown waited
+    # 2.5 s for a notebook that started a process (multiprocessing's resource tracker ignores the SIGTERM ipykernel
+    # sends its children), and the outputs are all in by then.
+    NotebookClient(nb, timeout=600, allow_errors=True, kernel_name="python3", shutdown_kernel="immediate",
                    resources={"metadata": {"path": str(ROOT / "exercises")}}).execute(env=env)
     for cell in _check_cells(nb):
         errors = [o for o in cell.outputs if o.output_type == "error"]

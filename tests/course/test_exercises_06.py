@@ -2,8 +2,8 @@
 
 Each test runs the solution notebook up to one check cell with a deliberately wrong function in place of the
 learner's (tests/exercise_helpers.run_check) and asserts that the check fails with an AssertionError that names the
-mistake. The notebook's ``minillm.load_model()`` is served from the session's model (conftest's ``smollm``), so a run
-costs the notebook's engine runs only (measured: 5-10 s each on a 2-core CPU).
+mistake. The notebook's ``minillm.load_model()`` is served from the session's model (conftest's ``smollm``), and the
+lesson's cells before an exercise run once for the file, so a test costs its check's own run.
 """
 from __future__ import annotations
 
@@ -18,9 +18,17 @@ from minillm.attention.metadata import AttentionMetadata
 from minillm.request import RequestStatus
 from minillm.worker.model_runner import BatchInputs
 from tests.course.exercise_helpers import run_challenge as _run_challenge
-from tests.course.exercise_helpers import run_check, run_check_with_answer
+from tests.course.exercise_helpers import run_check, run_check_with_answer, shared_prefixes
 
 SOLUTION = "06_engine.ipynb"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_run_of_the_lesson():
+    """The notebook's cells before 6.1 (an engine run recorded step by step: 2 s of each 6.1 and 6.2 test) run once
+    for this file; each test gets a copy of what they left (tests/course/exercise_helpers.shared_prefixes)."""
+    with shared_prefixes():
+        yield
 
 
 @pytest.fixture

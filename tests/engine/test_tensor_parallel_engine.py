@@ -314,10 +314,11 @@ def test_a_killed_rank_reaches_llm_through_the_engine_core_process():
 
 def test_a_rank_stuck_in_a_collective_times_out_with_a_clear_error():
     model = tiny_model()
-    args = EngineArgs(block_size=4, num_gpu_blocks=40, max_model_len=64, tensor_parallel_size=2)
-    eng = LLMEngine(model, None, args)
+    # The plan of one step, made by an engine's own scheduler: it is the same SchedulerOutput at any
+    # tensor-parallel size, so a one-process engine makes it without starting two ranks only to stop them.
+    eng = LLMEngine(model, None, EngineArgs(block_size=4, num_gpu_blocks=40, max_model_len=64))
     eng.add_request("a", list(range(1, 20)), SamplingParams(temperature=0.0, max_tokens=4))
-    so = eng.scheduler.schedule()  # the plan of one step, made by the engine's own scheduler
+    so = eng.scheduler.schedule()
     eng.shutdown()
     executor = MultiprocExecutor(2, Worker, dict(model=model, block_size=4, max_model_len=64),
                                  timeout_s=3.0, error_cls=EngineDeadError)

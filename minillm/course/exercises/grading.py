@@ -260,6 +260,10 @@ class AnswerClient:
             [sys.executable, "-c", "from minillm.course.exercises.answer_process import main; main()",
              str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         theirs.close()
+        # Reap the process as soon as it exits. At shutdown ipykernel signals the kernel's children and waits until
+        # none is left; an unreaped one stays a zombie child, so the kernel waited out jupyter_client's 2.5 s to
+        # SIGTERM, on every graded notebook.
+        threading.Thread(target=self.proc.wait, name="answer-process-reaper", daemon=True).start()
         self.sock = mine
         self.sock.settimeout(timeout_s)
         self._lock = threading.Lock()

@@ -57,4 +57,9 @@ class KVCacheConfig:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block takes across every layer of this worker."""
-        return sum(spec.page_size_bytes for spec in self.kv_cache_spec.values())
+        return bytes_per_block(self.kv_cache_spec)
+
+
+def bytes_per_block(kv_cache_spec: dict[str, FullAttentionSpec]) -> int:
+    """Bytes one block takes across every layer of a worker's spec (layer name -> :class:`FullAttentionSpec`)."""
+    return sum(spec.page_size_bytes for spec in kv_cache_spec.values())

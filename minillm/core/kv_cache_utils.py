@@ -18,7 +18,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from minillm.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from minillm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, bytes_per_block
 
 #: A block's hash: 32 bytes of SHA-256. Bytes (not Python's ``hash``) so it is the same in every process and run.
 BlockHash = bytes
@@ -290,17 +290,17 @@ def get_kv_cache_configs(kv_cache_specs: Sequence[dict[str, FullAttentionSpec]],
                          f"{len(available_memory)} reports")
     num_blocks: list[int] = []
     for rank, (specs, available) in enumerate(zip(kv_cache_specs, available_memory, strict=True)):
-        bytes_per_block = sum(spec.page_size_bytes for spec in specs.values())
-        if bytes_per_block <= 0:
+        block_bytes = bytes_per_block(specs)
+        if block_bytes <= 0:
             raise ValueError(f"worker rank {rank} reports no KV cache layers")
         if num_gpu_blocks_override is not None:
-            available = num_gpu_blocks_override * bytes_per_block
-        if available // bytes_per_block < 2:
+            available = num_gpu_blocks_override * block_bytes
+        if available // block_bytes < 2:
             raise ValueError(f"No available memory for the cache blocks: worker rank {rank} can give its KV cache "
                              f"{available:,} bytes, and one block of its cache ({len(specs)} layers) takes "
-                             f"{bytes_per_block:,} bytes; it needs at least 2 blocks ({2 * bytes_per_block:,} bytes: "
+                             f"{block_bytes:,} bytes; it needs at least 2 blocks ({2 * block_bytes:,} bytes: "
                              f"the reserved null block and one for tokens). Raise kv_cache_memory_bytes or "
                              f"kv_cache_memory_fraction, or lower block_size.")
-        num_blocks.append(available // bytes_per_block)
+        num_blocks.append(available // block_bytes)
     smallest = min(num_blocks)
     return [KVCacheConfig(num_blocks=smallest, kv_cache_spec=dict(specs)) for specs in kv_cache_specs]

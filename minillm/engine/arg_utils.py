@@ -24,7 +24,7 @@ from minillm.model.llama_tp import check_tensor_parallel_config
 from minillm.model.parallel_layers import num_kv_heads_per_rank
 from minillm.platforms.cpu import DtypeChoice
 from minillm.platforms.dtype import parse_dtype, resolve_dtype  # noqa: F401 (re-exported)
-from minillm.platforms.memory import DEFAULT_KV_CACHE_BYTES, available_memory_bytes  # noqa: F401 (re-exported)
+from minillm.platforms.memory import kv_cache_budget_bytes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -344,13 +344,7 @@ class EngineArgs:
         kv_heads = num_kv_heads_per_rank(model_config.num_key_value_heads, self.tensor_parallel_size)
         block_bytes = (self.block_size * model_config.kv_cache_bytes_per_token(dtype_bytes) * kv_heads
                        // model_config.num_key_value_heads)
-        if self.kv_cache_memory_bytes is not None:
-            budget = self.kv_cache_memory_bytes
-        elif self.kv_cache_memory_fraction is not None:
-            budget = int(available_memory_bytes(self.resolved_device()) * self.kv_cache_memory_fraction)
-        else:
-            # The default must at least hold one request of max_model_len (the scheduler refuses less).
-            need = (-(-max_model_len // self.block_size) + 1) * block_bytes
-            return max(DEFAULT_KV_CACHE_BYTES, need) // block_bytes
-        return budget // block_bytes
+        # The same budget each worker reports at start-up (the default holds at least one request of max_model_len).
+        return kv_cache_budget_bytes(block_bytes, self.block_size, max_model_len, self.resolved_device(),
+                                     self.kv_cache_memory_bytes, self.kv_cache_memory_fraction) // block_bytes
 

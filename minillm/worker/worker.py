@@ -22,7 +22,7 @@ import torch
 
 from minillm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minillm.distributed.parallel_state import TensorParallelGroup
-from minillm.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from minillm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, bytes_per_block
 from minillm.model.llama import LlamaForCausalLM
 from minillm.model.llama_tp import TensorParallelDecoderLayer, TensorParallelLlamaForCausalLM
 from minillm.model.parallel_layers import QKVParallelLinear
@@ -123,9 +123,9 @@ class Worker:
         request of ``max_model_len`` if more). vLLM: ``CPUWorker.determine_available_memory`` (the configured
         space, ``VLLM_CPU_KVCACHE_SPACE``), ``Worker.determine_available_memory`` on a GPU (a profiling run)."""
         model = self._loaded()
-        bytes_per_block = sum(s.page_size_bytes for s in self.get_kv_cache_spec().values())
+        block_bytes = bytes_per_block(self.get_kv_cache_spec())
         max_model_len = self.runner_kwargs.get("max_model_len") or model.config.max_position_embeddings
-        return kv_cache_budget_bytes(bytes_per_block, self.runner_kwargs["block_size"], max_model_len, self.device,
+        return kv_cache_budget_bytes(block_bytes, self.runner_kwargs["block_size"], max_model_len, self.device,
                                      self.kv_cache_memory_bytes, self.kv_cache_memory_fraction)
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig | list[KVCacheConfig]) -> None:
